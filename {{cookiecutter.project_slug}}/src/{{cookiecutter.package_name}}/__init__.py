@@ -1,0 +1,1 @@
+"""{{ cookiecutter.project_name }}: training infrastructure and the example task."""

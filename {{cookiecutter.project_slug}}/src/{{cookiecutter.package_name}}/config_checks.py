@@ -1,0 +1,101 @@
+"""Reject bad configuration values before any work starts.
+
+Hydra already rejects unknown group options (listing the available ones) and
+unknown keys (the config is in struct mode). This module checks the values,
+and names the key, the value and what is allowed. Keys absent from a config
+(e.g. ``weight_decay`` for an optimizer without it) are skipped.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+MIXED_PRECISION = ("no", "bf16", "fp16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is not allowed."""
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _positive_int(v: Any) -> bool:
+    return _is_int(v) and v >= 1
+
+
+def _optional_positive_int(v: Any) -> bool:
+    return v is None or _positive_int(v)
+
+
+def _non_negative_int(v: Any) -> bool:
+    return _is_int(v) and v >= 0
+
+
+def _positive_number(v: Any) -> bool:
+    return _is_number(v) and v > 0
+
+
+def _optional_positive_number(v: Any) -> bool:
+    return v is None or _positive_number(v)
+
+
+def _non_negative_number(v: Any) -> bool:
+    return _is_number(v) and v >= 0
+
+
+def _fraction(v: Any) -> bool:
+    return _is_number(v) and 0 < v < 1
+
+
+def _seed(v: Any) -> bool:
+    return _is_int(v) and 0 <= v < 2**32
+
+
+def _mixed_precision(v: Any) -> bool:
+    # YAML reads an unquoted `no` as false; accept it as "no".
+    return v is False or v in MIXED_PRECISION
+
+
+RULES: list[tuple[str, Callable[[Any], bool], str]] = [
+    ("seed", _seed, "an integer in [0, 2**32)"),
+    ("deterministic", lambda v: isinstance(v, bool), "true or false"),
+    ("optimizer.lr", _positive_number, "a number > 0"),
+    ("optimizer.weight_decay", _non_negative_number, "a number >= 0"),
+    ("optimizer.momentum", _non_negative_number, "a number >= 0"),
+    ("data.batch_size", _positive_int, "an integer >= 1"),
+    ("data.val_batch_size", _positive_int, "an integer >= 1"),
+    ("data.num_workers", _non_negative_int, "an integer >= 0"),
+    ("data.val_fraction", _fraction, "a number between 0 and 1 (exclusive)"),
+    ("model.dropout", lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    ("scheduler.warmup_steps", _non_negative_int, "an integer >= 0"),
+    ("scheduler.min_lr_ratio", lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    ("trainer.max_epochs", _optional_positive_int, "an integer >= 1 or null"),
+    ("trainer.max_steps", _optional_positive_int, "an integer >= 1 or null"),
+    ("trainer.grad_accum_steps", _positive_int, "an integer >= 1"),
+    ("trainer.grad_clip_norm", _optional_positive_number, "a number > 0 or null (no clipping)"),
+    ("trainer.mixed_precision", _mixed_precision, "one of " + ", ".join(MIXED_PRECISION)),
+    ("trainer.log_every_n_steps", _positive_int, "an integer >= 1"),
+    ("trainer.eval_every_n_steps", _optional_positive_int, "an integer >= 1 or null (each epoch)"),
+    ("trainer.monitor_mode", lambda v: v in ("min", "max"), "min or max"),
+]
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Raise ConfigError naming every bad value at once."""
+    problems = []
+    for key, ok, allowed in RULES:
+        value = OmegaConf.select(cfg, key, default="<absent>", throw_on_missing=True)
+        if value != "<absent>" and not ok(value):
+            problems.append(f"{key}={value!r} is not allowed: expected {allowed}")
+    trainer = cfg.trainer
+    if trainer.max_epochs is None and trainer.max_steps is None:
+        problems.append("trainer.max_epochs and trainer.max_steps are both null: set at least one")
+    if problems:
+        raise ConfigError("Invalid configuration:\n  " + "\n  ".join(problems))

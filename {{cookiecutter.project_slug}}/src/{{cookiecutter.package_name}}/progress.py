@@ -1,0 +1,56 @@
+"""Progress on the main process: a tqdm bar on a terminal, plain log lines
+otherwise (files, CI, SLURM logs). Both show steps/s and the ETA."""
+
+import datetime
+import logging
+import sys
+import time
+
+from accelerate import PartialState
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+log = logging.getLogger(__name__)
+
+
+class Progress:
+    def __init__(self, total_steps: int, initial_step: int = 0) -> None:
+        self.total = total_steps
+        main = PartialState().is_main_process
+        self.log_lines = main
+        self.bar = tqdm(
+            total=total_steps,
+            initial=initial_step,
+            unit="step",
+            dynamic_ncols=True,
+            disable=not (main and sys.stderr.isatty()),
+        )
+        self._start = self._mark = time.perf_counter()
+        self._start_step = self._mark_step = initial_step
+
+    def advance(self) -> None:
+        self.bar.update(1)
+
+    def window_rate(self, step: int) -> float:
+        """Steps per second since the previous call (or since the start)."""
+        now = time.perf_counter()
+        rate = (step - self._mark_step) / max(now - self._mark, 1e-9)
+        self._mark, self._mark_step = now, step
+        return rate
+
+    def overall_rate(self, step: int) -> float:
+        return (step - self._start_step) / max(time.perf_counter() - self._start, 1e-9)
+
+    def report(self, step: int, metrics: dict[str, float]) -> None:
+        """Show ``metrics`` on the bar, and as a log line (file and non-TTY console)."""
+        rate = self.overall_rate(step)
+        eta = datetime.timedelta(seconds=round((self.total - step) / rate)) if rate > 0 else "?"
+        shown = {k: f"{v:.4g}" for k, v in metrics.items() if not k.startswith("perf/")}
+        self.bar.set_postfix(shown, refresh=False)
+        if self.log_lines:
+            fields = " | ".join(f"{k} {v}" for k, v in shown.items())
+            with logging_redirect_tqdm():  # print above the bar, not through it
+                log.info(f"step {step}/{self.total} | {fields} | {rate:.1f} steps/s | eta {eta}")
+
+    def close(self) -> None:
+        self.bar.close()

@@ -1,0 +1,35 @@
+"""One seed for python, numpy, torch, every rank and every data-loader worker."""
+
+import os
+import random
+
+import numpy as np
+import torch
+from accelerate.utils import set_seed
+
+
+def seed_everything(seed: int, deterministic: bool = False) -> None:
+    """Seed every global RNG; offset by the process index so ranks differ.
+
+    Call it after the Accelerator exists (it reads the process index). The data
+    order does not come from these RNGs: it comes from a dedicated generator
+    seeded per epoch (see ``data.py``), so it is the same on every rank and
+    reproducible on resume.
+    """
+    if deterministic:
+        # Must be set before the first cuBLAS call; harmless on CPU.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+    set_seed(seed, device_specific=True, deterministic=deterministic)
+
+
+def seed_worker(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: derive python/numpy seeds from torch's.
+
+    torch seeds each worker with ``base_seed + worker_id``, where ``base_seed``
+    is drawn from the loader's own generator, so workers are reproducible too.
+    """
+    worker_seed = torch.initial_seed() % 2**32
+    np.random.seed(worker_seed)
+    random.seed(worker_seed)

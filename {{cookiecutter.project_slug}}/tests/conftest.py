@@ -1,0 +1,65 @@
+"""Shared helpers: run the real train.py in a subprocess, compose real configs."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = PROJECT_ROOT / "configs"
+
+# A few steps, logged and evaluated often enough to check every output.
+FAST = ["trainer.max_steps=30", "trainer.log_every_n_steps=5", "trainer.eval_every_n_steps=10"]
+
+
+class TrainRun:
+    def __init__(self, proc: subprocess.CompletedProcess, run_dir: Path) -> None:
+        self.proc = proc
+        self.run_dir = run_dir
+        self.output = proc.stdout + proc.stderr
+
+    @property
+    def summary(self) -> dict:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+
+def run_train(run_dir: Path, *overrides: str, check: bool = True, timeout: int = 300) -> TrainRun:
+    """``python train.py hydra.run.dir=RUN_DIR OVERRIDES`` from the project root."""
+    cmd = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", *overrides]
+    proc = subprocess.run(
+        cmd,
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+    run = TrainRun(proc, run_dir)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{run.output[-4000:]}")
+    return run
+
+
+@pytest.fixture
+def train_run(tmp_path):
+    """Call as ``train_run(*overrides)``; every call gets its own run dir."""
+    counter = iter(range(1000))
+
+    def _run(*overrides: str, check: bool = True) -> TrainRun:
+        return run_train(tmp_path / f"run{next(counter)}", *overrides, check=check)
+
+    return _run
+
+
+@pytest.fixture
+def compose_cfg():
+    """Compose ``configs/train.yaml`` with overrides, as ``python train.py`` would."""
+
+    def _compose(*overrides: str, hydra_config: bool = False):
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            return compose("train", overrides=list(overrides), return_hydra_config=hydra_config)
+
+    return _compose

@@ -1,0 +1,71 @@
+"""Every option of every config group composes, validates and instantiates."""
+
+import importlib.util
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from {{ cookiecutter.package_name }}.config_checks import check_config
+from {{ cookiecutter.package_name }}.run_dir import resolve_config
+from {{ cookiecutter.package_name }}.tracking import build_trackers
+
+from .conftest import CONFIG_DIR
+
+OPTIONS = sorted(
+    (str(path.parent.relative_to(CONFIG_DIR)), path.stem)
+    for path in CONFIG_DIR.rglob("*.yaml")
+    if path.parent != CONFIG_DIR
+)
+
+
+def test_options_were_found():
+    groups = {group for group, _ in OPTIONS}
+    assert len(OPTIONS) >= 15
+    assert {"model", "data", "optimizer", "scheduler", "trainer", "seeding", "parallel"} <= groups
+    assert {"tracker", "checkpoint", "preflight"} <= groups
+
+
+@pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_option_composes_and_instantiates(group, option, compose_cfg, tmp_path):
+    if group.startswith("hydra/"):
+        if (
+            group == "hydra/launcher"
+            and importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None
+        ):
+            pytest.skip("hydra-submitit-launcher is not installed (pip install '.[slurm]')")
+        cfg = compose_cfg(f"{group}={option}", hydra_config=True)
+        node = OmegaConf.select(cfg, group.replace("/", "."))
+        assert node is not None and "_target_" in node
+        return
+    cfg = compose_cfg(f"{group}={option}")
+    resolved = resolve_config(cfg)
+    assert "${" not in OmegaConf.to_yaml(resolved)
+    check_config(resolved)
+
+    # Build the real objects every run builds from this config.
+    model = instantiate(resolved.model)
+    optimizer = instantiate(resolved.optimizer)(model.parameters())
+    scheduler = instantiate(resolved.scheduler)(optimizer, total_steps=100)
+    loaders = instantiate(resolved.data)
+    x, y = next(iter(loaders.train))
+    logits = model(x)
+    assert logits.shape == (len(y), 10)
+    loss = torch.nn.functional.cross_entropy(logits, y)
+    loss.backward()
+    optimizer.step()
+    scheduler.step()
+    assert scheduler.get_last_lr()[0] > 0
+    trackers = build_trackers(resolved.tracker, tmp_path)
+    assert [t.name for t in trackers] == list(resolved.tracker)
+
+    # The option really selected what its name says.
+    if group == "seeding":
+        assert resolved.deterministic is (option == "deterministic")
+    if group == "parallel":
+        assert resolved.parallel.mode == option
+    if group == "tracker":
+        assert list(resolved.tracker) == ([] if option == "none" else [option])
+    if group == "model":
+        assert type(model).__module__.endswith(".model")

@@ -1,0 +1,171 @@
+"""Real training runs of train.py in subprocesses: outputs, determinism, bad input."""
+
+import csv
+import importlib.util
+import json
+import math
+
+import pytest
+import torch
+import yaml
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import open_dict
+from safetensors.torch import load_file
+
+from .conftest import FAST, PROJECT_ROOT
+
+
+def test_smoke_run_writes_the_run_directory(train_run):
+    run = train_run(*FAST)
+    d = run.run_dir
+    for name in [
+        ".hydra/config.yaml",
+        "config.yaml",
+        "config.json",
+        "train.log",
+        "metrics.csv",
+        "summary.json",
+        "model.safetensors",
+    ]:
+        assert (d / name).is_file(), name
+
+    # The resolved config: no interpolation left, YAML and JSON say the same.
+    config_json = json.loads((d / "config.json").read_text())
+    assert "${" not in (d / "config.json").read_text()
+    assert "${" not in (d / "config.yaml").read_text()
+    assert yaml.safe_load((d / "config.yaml").read_text()) == config_json
+    assert config_json["trainer"]["max_steps"] == 30
+
+    s = run.summary
+    assert set(s) == {
+        "step",
+        "epoch",
+        "world_size",
+        "wall_time_s",
+        "steps_per_sec",
+        "metrics",
+        "best",
+    }
+    assert s["step"] == 30 and s["epoch"] == 2 and s["world_size"] == 1
+    assert s["wall_time_s"] > 0 and s["steps_per_sec"] > 0
+    assert {
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "val/loss",
+        "val/acc",
+        "perf/steps_per_sec",
+        "perf/samples_per_sec",
+    } <= set(s["metrics"])
+    assert set(s["best"]) == {"name", "value", "step"}
+
+    # metrics.csv, read with the csv module, agrees with summary.json.
+    rows = list(csv.DictReader((d / "metrics.csv").open()))
+    assert list(rows[0]) == ["time", "step", "name", "value"]
+    val_acc = {int(r["step"]): float(r["value"]) for r in rows if r["name"] == "val/acc"}
+    assert sorted(val_acc) == [10, 20, 30]
+    train_steps = sorted(int(r["step"]) for r in rows if r["name"] == "train/loss")
+    assert train_steps == [5, 10, 15, 20, 25, 30]
+    best_step = max(val_acc, key=val_acc.get)
+    assert s["best"] == {"name": "val/acc", "value": val_acc[best_step], "step": best_step}
+    assert s["metrics"]["val/acc"] == val_acc[30]
+
+    # Not a TTY: progress comes as plain log lines with speed and ETA, also in train.log.
+    assert "steps/s | eta" in run.output
+    assert "step 30/30" in (d / "train.log").read_text()
+    weights = load_file(d / "model.safetensors")
+    assert all(torch.isfinite(t).all() for t in weights.values())
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_same_seed_gives_identical_weights(train_run, num_workers):
+    args = [*FAST, "trainer.max_steps=40", f"data.num_workers={num_workers}"]
+    a = load_file(train_run(*args, "seed=7").run_dir / "model.safetensors")
+    b = load_file(train_run(*args, "seed=7").run_dir / "model.safetensors")
+    c = load_file(train_run(*args, "seed=8").run_dir / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_deterministic_mode_matches_default_on_cpu(train_run):
+    default = train_run(*FAST, "seed=3").run_dir
+    strict = train_run(*FAST, "seed=3", "seeding=deterministic").run_dir
+    assert json.loads((strict / "config.json").read_text())["deterministic"] is True
+    a, b = load_file(default / "model.safetensors"), load_file(strict / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_other_options_train(train_run):
+    run = train_run(
+        "trainer.max_epochs=2",
+        "model=cnn",
+        "optimizer=sgd",
+        "scheduler=constant",
+        "tracker=none",
+        "trainer.mixed_precision=bf16",
+        "trainer.grad_accum_steps=2",
+    )
+    # 1437 training images / 64 per batch = 23 batches = 12 optimizer steps per epoch.
+    assert run.summary["step"] == 24 and run.summary["epoch"] == 2
+    assert not (run.run_dir / "metrics.csv").exists()
+    assert run.summary["metrics"]["val/acc"] > 0.3  # learning, not guessing (0.1)
+    assert run.summary["metrics"]["train/lr"] == pytest.approx(0.05)
+
+
+def test_train_returns_the_best_monitored_metric(compose_cfg, tmp_path):
+    """Sweepers optimize what the task function returns."""
+    spec = importlib.util.spec_from_file_location("train_script", PROJECT_ROOT / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = compose_cfg(
+        *FAST,
+        "trainer.monitor=val/loss",
+        "trainer.monitor_mode=min",
+        f"hydra.run.dir={tmp_path}",
+        hydra_config=True,
+    )
+    cfg.hydra.runtime.output_dir = str(tmp_path)
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]  # as @hydra.main passes it
+    value = module.train(cfg)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    val_losses = [float(r["value"]) for r in rows if r["name"] == "val/loss"]
+    assert value == summary["best"]["value"] == min(val_losses)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("optimizer.lr=-0.1", "optimizer.lr=-0.1 is not allowed: expected a number > 0"),
+        ("data.batch_size=0", "data.batch_size=0 is not allowed: expected an integer >= 1"),
+        (
+            "trainer.mixed_precision=fp8",
+            "trainer.mixed_precision='fp8' is not allowed: expected one of no, bf16, fp16",
+        ),
+        ("trainer.mixed_precision=fp16", "trainer.mixed_precision='fp16' needs a GPU"),
+        ("trainer.monitor=val/f1", "trainer.monitor='val/f1' is not a logged metric"),
+        ("model=resnet", "Could not find 'model/resnet'"),
+        ("tracker=nope", "Could not find 'tracker/nope'"),
+        ("trainer.max_stepz=5", "Key 'max_stepz' is not in struct"),
+    ],
+)
+def test_bad_input_fails_before_training_with_a_clear_message(train_run, override, expected):
+    run = train_run(*FAST, override, check=False)
+    assert run.proc.returncode != 0
+    assert expected in run.output
+    assert "Traceback" not in run.output
+    assert not (run.run_dir / "summary.json").exists()
+    if expected.startswith(("Could not", "Key")):
+        assert "Available options" in run.output or "struct" in run.output
+
+
+@pytest.mark.slow
+def test_default_run_reaches_95_percent_in_under_a_minute(train_run):
+    run = train_run()  # every default, as `python train.py`
+    summary = run.summary
+    assert summary["metrics"]["val/acc"] >= 0.95
+    assert summary["wall_time_s"] < 60
+    assert math.isfinite(summary["metrics"]["val/loss"])

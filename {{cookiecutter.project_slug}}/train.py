@@ -1,0 +1,175 @@
+"""Train the configured model. Read top to bottom: this file is the recipe.
+
+    python train.py                                  # defaults from configs/train.yaml
+    python train.py model=cnn optimizer.lr=3e-3      # override anything
+    python train.py -m optimizer.lr=1e-3,1e-2 seed=1,2   # a sweep
+
+Everything else (run directory, trackers, seeding, progress) lives in small
+modules under src/{{ cookiecutter.package_name }}/ that decide about ranks themselves.
+"""
+
+import logging
+import math
+import sys
+import time
+
+import hydra
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from {{ cookiecutter.package_name }}.accel import build_accelerator
+from {{ cookiecutter.package_name }}.config_checks import ConfigError, check_config
+from {{ cookiecutter.package_name }}.metrics import MetricBook
+from {{ cookiecutter.package_name }}.progress import Progress
+from {{ cookiecutter.package_name }}.run_dir import (
+    hydra_run_dir,
+    resolve_config,
+    save_resolved_config,
+    write_summary,
+)
+from {{ cookiecutter.package_name }}.seeding import seed_everything
+from {{ cookiecutter.package_name }}.tracking import flatten_config
+
+log = logging.getLogger("train")
+
+
+@torch.no_grad()
+def evaluate(model, loader, accelerator) -> dict[str, float]:
+    """Loss and accuracy over the whole validation set, summed across ranks."""
+    model.eval()
+    loss_sum = torch.zeros((), device=accelerator.device)
+    correct = torch.zeros((), device=accelerator.device)
+    count = torch.zeros((), device=accelerator.device)
+    for x, y in loader:
+        logits = model(x)
+        logits, y = accelerator.gather_for_metrics((logits, y))
+        loss_sum += F.cross_entropy(logits.float(), y, reduction="sum")
+        correct += (logits.argmax(dim=-1) == y).sum()
+        count += y.numel()
+    model.train()
+    return {"val/loss": (loss_sum / count).item(), "val/acc": (correct / count).item()}
+
+
+def train(cfg: DictConfig) -> float:
+    # --- run directory, accelerator, seeds -------------------------------------------
+    cfg = resolve_config(cfg)  # plain and resolved: no ${...}, no Hydra state needed
+    check_config(cfg)
+    run_dir = hydra_run_dir()
+    save_resolved_config(cfg, run_dir)
+    accelerator = build_accelerator(cfg, run_dir)
+    seed_everything(cfg.seed, cfg.deterministic)
+    log.info(f"run dir: {run_dir}")
+
+    # --- data, model, optimizer, schedule --------------------------------------------
+    loaders = instantiate(cfg.data)
+    model = instantiate(cfg.model)
+    optimizer = instantiate(cfg.optimizer)(model.parameters())
+    model, optimizer, train_loader, val_loader = accelerator.prepare(
+        model, optimizer, loaders.train, loaders.val
+    )
+    steps_per_epoch = math.ceil(len(train_loader) / cfg.trainer.grad_accum_steps)
+    total_steps = cfg.trainer.max_steps or cfg.trainer.max_epochs * steps_per_epoch
+    max_epochs = math.ceil(total_steps / steps_per_epoch)
+    scheduler = accelerator.prepare(instantiate(cfg.scheduler)(optimizer, total_steps=total_steps))
+    accelerator.init_trackers(cfg.project, config=flatten_config(dict(cfg)))
+    log.info(
+        f"{sum(p.numel() for p in model.parameters()):,} parameters | "
+        f"{total_steps} steps ({steps_per_epoch}/epoch) | world size {accelerator.num_processes}"
+    )
+
+    # --- the loop ----------------------------------------------------------------------
+    book = MetricBook(cfg.trainer.monitor, cfg.trainer.monitor_mode)
+    progress = Progress(total_steps)
+    eval_every = cfg.trainer.eval_every_n_steps or steps_per_epoch
+    step, epoch = 0, 0
+    loss_sum = torch.zeros((), device=accelerator.device)  # summed on device: no sync per step
+    loss_count = 0
+    grad_norm = torch.zeros(())
+    start = time.perf_counter()
+    model.train()
+    for epoch in range(max_epochs):
+        train_loader.set_epoch(epoch)
+        for x, y in train_loader:
+            with accelerator.accumulate(model):
+                loss = F.cross_entropy(model(x), y)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and cfg.trainer.grad_clip_norm:
+                    grad_norm = accelerator.clip_grad_norm_(
+                        model.parameters(), cfg.trainer.grad_clip_norm
+                    )
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            loss_sum += loss.detach()
+            loss_count += 1
+            if not accelerator.sync_gradients:
+                continue  # still accumulating micro-batches
+            scheduler.step()
+            step += 1
+            progress.advance()
+
+            if step % cfg.trainer.log_every_n_steps == 0:
+                rate = progress.window_rate(step)
+                metrics = {
+                    "train/loss": accelerator.reduce(loss_sum, "mean").item() / loss_count,
+                    "train/lr": scheduler.get_last_lr()[0],
+                    "train/grad_norm": float(grad_norm),
+                    "train/epoch": epoch + 1,
+                    "perf/steps_per_sec": rate,
+                    "perf/samples_per_sec": rate
+                    * len(y)
+                    * accelerator.num_processes
+                    * cfg.trainer.grad_accum_steps,
+                }
+                loss_sum.zero_()
+                loss_count = 0
+                book.update(metrics, step)
+                accelerator.log(metrics, step=step)
+                progress.report(step, metrics)
+
+            if step % eval_every == 0 or step == total_steps:
+                metrics = evaluate(model, val_loader, accelerator)
+                book.update(metrics, step, require_monitor=True)
+                accelerator.log(metrics, step=step)
+                progress.report(step, metrics)
+
+            if step == total_steps:
+                break
+    progress.close()
+
+    # --- summary and final weights -----------------------------------------------------
+    wall = time.perf_counter() - start
+    summary = {
+        "step": step,
+        "epoch": epoch + 1,
+        "world_size": accelerator.num_processes,
+        "wall_time_s": round(wall, 3),
+        "steps_per_sec": round(step / wall, 3),
+        "metrics": book.last,
+        "best": book.best(),
+    }
+    write_summary(run_dir, summary)
+    accelerator.save_model(model, run_dir)  # final weights: model.safetensors
+    log.info(
+        f"done: {step} steps in {wall:.1f}s | "
+        + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+        + f" | best {book.monitor} {book.best_value:.4f} at step {book.best_step}"
+        + f" | summary: {run_dir / 'summary.json'}"
+    )
+    accelerator.wait_for_everyone()  # gloo can abort at exit without this barrier
+    accelerator.end_training()
+    return book.best_value
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="train")
+def main(cfg: DictConfig) -> float:
+    try:
+        return train(cfg)
+    except ConfigError as err:
+        log.error(str(err))
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
