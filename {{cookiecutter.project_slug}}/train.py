@@ -17,7 +17,7 @@ import hydra
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from {{ cookiecutter.package_name }}.accel import build_accelerator
 from {{ cookiecutter.package_name }}.config_checks import ConfigError, check_config
@@ -73,7 +73,7 @@ def train(cfg: DictConfig) -> float:
     total_steps = cfg.trainer.max_steps or cfg.trainer.max_epochs * steps_per_epoch
     max_epochs = math.ceil(total_steps / steps_per_epoch)
     scheduler = accelerator.prepare(instantiate(cfg.scheduler)(optimizer, total_steps=total_steps))
-    accelerator.init_trackers(cfg.project, config=flatten_config(dict(cfg)))
+    accelerator.init_trackers(cfg.project, config=flatten_config(OmegaConf.to_container(cfg)))
     log.info(
         f"{sum(p.numel() for p in model.parameters()):,} parameters | "
         f"{total_steps} steps ({steps_per_epoch}/epoch) | world size {accelerator.num_processes}"

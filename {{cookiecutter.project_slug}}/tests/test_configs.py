@@ -69,3 +69,13 @@ def test_option_composes_and_instantiates(group, option, compose_cfg, tmp_path):
         assert list(resolved.tracker) == ([] if option == "none" else [option])
     if group == "model":
         assert type(model).__module__.endswith(".model")
+
+
+def test_flatten_config_gives_scalar_leaves(compose_cfg):
+    from {{ cookiecutter.package_name }}.tracking import flatten_config
+
+    flat = flatten_config(OmegaConf.to_container(resolve_config(compose_cfg())))
+    assert flat["optimizer/lr"] == 3e-3
+    assert flat["model/hidden_sizes"] == "[128, 128]"
+    assert flat["trainer/max_steps"] == "None"
+    assert all(isinstance(v, str | int | float | bool) for v in flat.values())
