@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from {{ cookiecutter.package_name }}.config_checks import check_config
 from {{ cookiecutter.package_name }}.run_dir import resolve_config
-from {{ cookiecutter.package_name }}.tracking import build_trackers
+from {{ cookiecutter.package_name }}.tracking import build_trackers, flatten_config
 
 from .conftest import CONFIG_DIR
 
@@ -72,8 +72,6 @@ def test_option_composes_and_instantiates(group, option, compose_cfg, tmp_path):
 
 
 def test_flatten_config_gives_scalar_leaves(compose_cfg):
-    from {{ cookiecutter.package_name }}.tracking import flatten_config
-
     flat = flatten_config(OmegaConf.to_container(resolve_config(compose_cfg())))
     assert flat["optimizer/lr"] == 3e-3
     assert flat["model/hidden_sizes"] == "[128, 128]"
