@@ -1,0 +1,237 @@
+"""Bake every value of every choice, then check, lint and test each baked project."""
+
+import os
+import subprocess
+import sys
+import tomllib
+import venv
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .conftest import BIN, COOKIECUTTER_JSON, bake
+
+# Each value of every choice in cookiecutter.json is baked at least once
+# (test_every_choice_value_is_baked keeps it so when a choice grows).
+BAKES = {
+    "default": {},
+    "vision": {
+        "project_name": "Vision Lab",
+        "package_name": "vision_core",
+        "description": "Says \"hi\" \\ and 'bye' & <b>",
+        "author_name": "Zoë O'Brien",
+        "python_version": "3.10",
+        "default_tracker": "none",
+        "license": "Apache-2.0",
+        "include_slurm": "no",
+    },
+    "speech": {
+        "project_name": "Speech-Net 2",
+        "python_version": "3.12",
+        "default_tracker": "csv",
+        "license": "BSD-3-Clause",
+        "include_slurm": "yes",
+    },
+    "tabular": {
+        "project_name": "Tabular",
+        "default_tracker": "none",
+        "license": "Proprietary",
+        "include_slurm": "no",
+    },
+}
+SHARED_ENV_BAKES = [name for name in BAKES if name != "default"]
+
+
+def context_of(name: str) -> dict[str, str]:
+    """The full context cookiecutter ends up with (choices default to the first value)."""
+    ctx = {
+        k: (v[0] if isinstance(v, list) else v)
+        for k, v in COOKIECUTTER_JSON.items()
+        if not k.startswith("_")
+    }
+    ctx.update(BAKES[name])
+    if "project_slug" not in BAKES[name]:
+        ctx["project_slug"] = (
+            ctx["project_name"].lower().strip().replace(" ", "_").replace("-", "_")
+        )
+    if "package_name" not in BAKES[name]:
+        ctx["package_name"] = ctx["project_slug"]
+    return ctx
+
+
+def expected_files(ctx: dict[str, str]) -> set[str]:
+    pkg = f"src/{ctx['package_name']}"
+    files = {
+        ".github/workflows/ci.yml",
+        ".gitignore",
+        ".pre-commit-config.yaml",
+        "README.md",
+        "pyproject.toml",
+        "train.py",
+        "configs/train.yaml",
+        "configs/checkpoint/none.yaml",
+        "configs/data/digits.yaml",
+        "configs/model/cnn.yaml",
+        "configs/model/mlp.yaml",
+        "configs/optimizer/adamw.yaml",
+        "configs/optimizer/sgd.yaml",
+        "configs/parallel/none.yaml",
+        "configs/preflight/off.yaml",
+        "configs/scheduler/constant.yaml",
+        "configs/scheduler/warmup_cosine.yaml",
+        "configs/seeding/default.yaml",
+        "configs/seeding/deterministic.yaml",
+        "configs/tracker/csv.yaml",
+        "configs/tracker/none.yaml",
+        "configs/trainer/default.yaml",
+        f"{pkg}/__init__.py",
+        f"{pkg}/accel.py",
+        f"{pkg}/config_checks.py",
+        f"{pkg}/data.py",
+        f"{pkg}/metrics.py",
+        f"{pkg}/model.py",
+        f"{pkg}/progress.py",
+        f"{pkg}/run_dir.py",
+        f"{pkg}/schedules.py",
+        f"{pkg}/seeding.py",
+        f"{pkg}/tracking.py",
+        f"{pkg}/assets/digits.csv.gz",
+        "tests/__init__.py",
+        "tests/conftest.py",
+        "tests/test_configs.py",
+        "tests/test_train.py",
+    }
+    if ctx["license"] != "Proprietary":
+        files.add("LICENSE")
+    if ctx["include_slurm"] == "yes":
+        files.add("configs/hydra/launcher/slurm.yaml")
+    return files
+
+
+@pytest.fixture(scope="session")
+def baked(template_url, cookiecutter_config, tmp_path_factory) -> dict[str, Path]:
+    """Every bake of BAKES, baked once per session from the git URL."""
+    projects = {}
+    for name, extra in BAKES.items():
+        out = tmp_path_factory.mktemp(f"bake-{name}")
+        proc = bake(template_url, cookiecutter_config, out, **extra)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "Next steps" in proc.stdout
+        (project,) = out.iterdir()
+        projects[name] = project
+    return projects
+
+
+def project_files(project: Path) -> set[str]:
+    return {p.relative_to(project).as_posix() for p in project.rglob("*") if p.is_file()}
+
+
+def test_every_choice_value_is_baked():
+    for key, values in COOKIECUTTER_JSON.items():
+        if isinstance(values, list):
+            baked_values = {context_of(name)[key] for name in BAKES}
+            assert baked_values == set(values), f"{key}: {set(values) - baked_values} never baked"
+
+
+@pytest.mark.parametrize("name", BAKES)
+def test_exact_file_set(baked, name):
+    ctx = context_of(name)
+    assert baked[name].name == ctx["project_slug"]
+    assert project_files(baked[name]) == expected_files(ctx)
+
+
+@pytest.mark.parametrize("name", BAKES)
+def test_no_template_leftovers(baked, name):
+    for rel in project_files(baked[name]):
+        if rel.endswith(".gz"):
+            continue
+        text = (baked[name] / rel).read_text(encoding="utf-8")
+        if rel.startswith(".github/"):
+            text = text.replace("${{", "")  # GitHub Actions expressions are meant to stay
+        assert "{{" not in text and "{%" not in text, rel
+        assert "cookiecutter" not in text.lower(), rel
+
+
+@pytest.mark.parametrize("name", BAKES)
+def test_choices_land_in_the_project(baked, name):
+    ctx, project = context_of(name), baked[name]
+    meta = tomllib.loads((project / "pyproject.toml").read_text())["project"]
+    assert meta["name"] == ctx["project_slug"]
+    assert meta["description"] == ctx["description"]  # quotes and backslashes survive
+    assert meta["authors"] == [{"name": ctx["author_name"], "email": ctx["author_email"]}]
+    assert meta["requires-python"] == f">={ctx['python_version']}"
+    assert meta.get("license") == (None if ctx["license"] == "Proprietary" else ctx["license"])
+    assert ("slurm" in meta["optional-dependencies"]) == (ctx["include_slurm"] == "yes")
+    defaults = yaml.safe_load((project / "configs/train.yaml").read_text())["defaults"]
+    assert {"tracker": ctx["default_tracker"]} in defaults
+    assert {"parallel": ctx["default_parallel"]} in defaults
+    workflow = yaml.safe_load((project / ".github/workflows/ci.yml").read_text())
+    setup = next(
+        s for s in workflow["jobs"]["test"]["steps"] if "setup-python" in s.get("uses", "")
+    )
+    assert setup["with"]["python-version"] == ctx["python_version"]
+    if ctx["license"] != "Proprietary":
+        first_line = (project / "LICENSE").read_text().lstrip().splitlines()[0]
+        expected = {
+            "MIT": "MIT License",
+            "BSD-3-Clause": "BSD 3-Clause License",
+            "Apache-2.0": "Apache License",
+        }[ctx["license"]]
+        assert first_line.strip() == expected
+
+
+@pytest.mark.parametrize("name", BAKES)
+def test_baked_project_lints(baked, name):
+    ruff = str(BIN / "ruff")
+    for cmd in ([ruff, "check", "."], [ruff, "format", "--check", "."]):
+        proc = subprocess.run(cmd, cwd=baked[name], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def run_pytest(python: str, project: Path, *args: str, env: dict | None = None) -> str:
+    proc = subprocess.run(
+        [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert " passed" in out and " failed" not in out
+    return out
+
+
+@pytest.mark.parametrize("name", SHARED_ENV_BAKES)
+def test_baked_project_tests_pass_in_shared_env(baked, name):
+    """The other bakes share this environment (fast); the full-length run is skipped."""
+    env = {**os.environ, "PYTHONPATH": str(baked[name] / "src")}
+    run_pytest(sys.executable, baked[name], "-m", "not slow", env=env)
+
+
+@pytest.mark.slow
+def test_default_bake_installs_and_passes_in_a_fresh_venv(baked, tmp_path):
+    """From nothing: a missing dependency in pyproject.toml fails here."""
+    project = baked["default"]
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    py = str(env_dir / "bin" / "python")
+    clean_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+    def pip(*args: str) -> None:
+        proc = subprocess.run(
+            [py, "-m", "pip", "install", "-q", *args],
+            cwd=project,
+            capture_output=True,
+            text=True,
+            env=clean_env,
+            timeout=1200,
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    pip("torch==2.13.0")  # the CPU wheel first, as the project README says
+    pip("-e", ".[dev,slurm]")
+    out = run_pytest(py, project, env=clean_env)  # everything, the slow accuracy run included
+    assert "test_default_run_reaches_95_percent_in_under_a_minute" not in out  # not skipped/failed
