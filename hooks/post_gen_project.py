@@ -7,9 +7,9 @@ import json
 import shutil
 from pathlib import Path
 
-LICENSE = json.loads(r"""{{ cookiecutter.license | tojson }}""")
-INCLUDE_SLURM = json.loads(r"""{{ cookiecutter.include_slurm | tojson }}""")
-SLUG = json.loads(r"""{{ cookiecutter.project_slug | tojson }}""")
+LICENSE = json.loads(r'''{{ cookiecutter.license | tojson }}''')
+INCLUDE_SLURM = json.loads(r'''{{ cookiecutter.include_slurm | tojson }}''')
+SLUG = json.loads(r'''{{ cookiecutter.project_slug | tojson }}''')
 
 NOT_CHOSEN = {
     "LICENSE": LICENSE == "Proprietary",

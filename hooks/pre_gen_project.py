@@ -11,8 +11,8 @@ import json
 import keyword
 import sys
 
-SLUG = json.loads(r"""{{ cookiecutter.project_slug | tojson }}""")
-PACKAGE = json.loads(r"""{{ cookiecutter.package_name | tojson }}""")
+SLUG = json.loads(r'''{{ cookiecutter.project_slug | tojson }}''')
+PACKAGE = json.loads(r'''{{ cookiecutter.package_name | tojson }}''')
 
 # Modules the generated project imports or runs beside its package; a package
 # of the same name would shadow them on sys.path.
