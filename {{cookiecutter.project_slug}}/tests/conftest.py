@@ -11,8 +11,14 @@ from hydra import compose, initialize_config_dir
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = PROJECT_ROOT / "configs"
 
-# A few steps, logged and evaluated often enough to check every output.
-FAST = ["trainer.max_steps=30", "trainer.log_every_n_steps=5", "trainer.eval_every_n_steps=10"]
+# A few steps, logged and evaluated often enough to check every output
+# (tracker=csv explicitly: the project's default tracker is a bake-time choice).
+FAST = [
+    "trainer.max_steps=30",
+    "trainer.log_every_n_steps=5",
+    "trainer.eval_every_n_steps=10",
+    "tracker=csv",
+]
 
 
 class TrainRun:
