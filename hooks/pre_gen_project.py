@@ -4,7 +4,10 @@ Cookiecutter renders this file with Jinja before running it. Every variable is
 inserted through ``tojson`` into a raw string and read back with
 ``json.loads``, so a value holding quotes, backslashes or Python code is only
 ever data. ``tojson`` escapes ``'`` so the raw string can never be closed early.
-On exit 1 cookiecutter deletes the directory it had started to create.
+On exit 1 cookiecutter deletes the directory it had started to create. That
+directory is named by ``__project_dir`` (the slug with ``/`` replaced), not by
+the raw slug: a slug holding ``/`` would otherwise create nested directories of
+which cookiecutter deletes only the innermost.
 """
 
 import json
