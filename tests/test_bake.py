@@ -76,6 +76,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "configs/model/mlp.yaml",
         "configs/optimizer/adamw.yaml",
         "configs/optimizer/sgd.yaml",
+        "configs/parallel/ddp.yaml",
         "configs/parallel/none.yaml",
         "configs/preflight/off.yaml",
         "configs/scheduler/constant.yaml",
@@ -89,6 +90,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         f"{pkg}/accel.py",
         f"{pkg}/config_checks.py",
         f"{pkg}/data.py",
+        f"{pkg}/launch.py",
         f"{pkg}/metrics.py",
         f"{pkg}/model.py",
         f"{pkg}/progress.py",
@@ -99,8 +101,10 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         f"{pkg}/assets/digits.csv.gz",
         "tests/__init__.py",
         "tests/conftest.py",
+        "tests/faults.py",
         "tests/test_configs.py",
         "tests/test_train.py",
+        "tests/test_parallel.py",
     }
     if ctx["license"] != "Proprietary":
         files.add("LICENSE")
@@ -206,9 +210,11 @@ def run_pytest(python: str, project: Path, *args: str, env: dict | None = None) 
 
 @pytest.mark.parametrize("name", SHARED_ENV_BAKES)
 def test_baked_project_tests_pass_in_shared_env(baked, name):
-    """The other bakes share this environment (fast); the full-length run is skipped."""
+    """The other bakes share this environment. They differ from the default bake in
+    names, defaults and optional files, not in code, so the long and the
+    multi-process tests (identical code paths) run in the default bake only."""
     env = {**os.environ, "PYTHONPATH": str(baked[name] / "src")}
-    run_pytest(sys.executable, baked[name], "-m", "not slow", env=env)
+    run_pytest(sys.executable, baked[name], "-m", "not slow and not multiprocess", env=env)
 
 
 @pytest.mark.slow

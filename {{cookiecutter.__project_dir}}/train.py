@@ -12,6 +12,7 @@ import logging
 import math
 import sys
 import time
+from pathlib import Path
 
 import hydra
 import torch
@@ -19,12 +20,14 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from {{ cookiecutter.package_name }}.accel import build_accelerator
+from {{ cookiecutter.package_name }}.accel import build_accelerator, weights_fingerprint
 from {{ cookiecutter.package_name }}.config_checks import ConfigError, check_config
+from {{ cookiecutter.package_name }}.launch import LaunchError, run, setup_rank_logging
 from {{ cookiecutter.package_name }}.metrics import MetricBook
 from {{ cookiecutter.package_name }}.progress import Progress
 from {{ cookiecutter.package_name }}.run_dir import (
     hydra_run_dir,
+    register_resolvers,
     resolve_config,
     save_resolved_config,
     write_summary,
@@ -52,12 +55,10 @@ def evaluate(model, loader, accelerator) -> dict[str, float]:
     return {"val/loss": (loss_sum / count).item(), "val/acc": (correct / count).item()}
 
 
-def train(cfg: DictConfig) -> float:
-    # --- run directory, accelerator, seeds -------------------------------------------
-    cfg = resolve_config(cfg)  # plain and resolved: no ${...}, no Hydra state needed
-    check_config(cfg)
-    run_dir = hydra_run_dir()
-    save_resolved_config(cfg, run_dir)
+def train(cfg: DictConfig, run_dir: Path) -> float:
+    """One process's training; runs on every rank (see launch.py)."""
+    # --- logging, accelerator, seeds -------------------------------------------------
+    setup_rank_logging(run_dir)
     accelerator = build_accelerator(cfg, run_dir)
     seed_everything(cfg.seed, cfg.deterministic)
     log.info(f"run dir: {run_dir}")
@@ -150,6 +151,7 @@ def train(cfg: DictConfig) -> float:
         "best": book.best(),
     }
     write_summary(run_dir, summary)
+    log.info(f"final weights fingerprint {weights_fingerprint(accelerator.unwrap_model(model))}")
     accelerator.save_model(model, run_dir)  # final weights: model.safetensors
     log.info(
         f"done: {step} steps in {wall:.1f}s | "
@@ -165,11 +167,19 @@ def train(cfg: DictConfig) -> float:
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> float:
     try:
-        return train(cfg)
+        cfg = resolve_config(cfg)  # plain and resolved: no ${...}, no Hydra state needed
+        check_config(cfg)
+        run_dir = hydra_run_dir()
+        save_resolved_config(cfg, run_dir)
+        return run(train, cfg, run_dir)  # here, or in N spawned workers
     except ConfigError as err:
         log.error(str(err))
         sys.exit(2)
+    except LaunchError as err:
+        log.error(str(err))
+        sys.exit(1)
 
 
 if __name__ == "__main__":
+    register_resolvers()
     main()

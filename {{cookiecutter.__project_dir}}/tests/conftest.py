@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from {{ cookiecutter.package_name }}.run_dir import register_resolvers
+
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = PROJECT_ROOT / "configs"
 
@@ -65,6 +67,7 @@ def compose_cfg():
     """Compose ``configs/train.yaml`` with overrides, as ``python train.py`` would."""
 
     def _compose(*overrides: str, hydra_config: bool = False):
+        register_resolvers()  # as train.py does before @hydra.main
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             return compose("train", overrides=list(overrides), return_hydra_config=hydra_config)
 

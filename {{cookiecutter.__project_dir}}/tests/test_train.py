@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 import yaml
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import open_dict
 from safetensors.torch import load_file
+
+from {{ cookiecutter.package_name }}.run_dir import resolve_config
 
 from .conftest import FAST, PROJECT_ROOT
 
@@ -118,18 +118,8 @@ def test_train_returns_the_best_monitored_metric(compose_cfg, tmp_path):
     spec = importlib.util.spec_from_file_location("train_script", PROJECT_ROOT / "train.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    cfg = compose_cfg(
-        *FAST,
-        "trainer.monitor=val/loss",
-        "trainer.monitor_mode=min",
-        f"hydra.run.dir={tmp_path}",
-        hydra_config=True,
-    )
-    cfg.hydra.runtime.output_dir = str(tmp_path)
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]  # as @hydra.main passes it
-    value = module.train(cfg)
+    cfg = compose_cfg(*FAST, "trainer.monitor=val/loss", "trainer.monitor_mode=min")
+    value = module.train(resolve_config(cfg), tmp_path)
     summary = json.loads((tmp_path / "summary.json").read_text())
     rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
     val_losses = [float(r["value"]) for r in rows if r["name"] == "val/loss"]

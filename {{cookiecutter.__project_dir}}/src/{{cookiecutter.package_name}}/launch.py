@@ -1,0 +1,168 @@
+"""Decide how the processes of a run come to be, and start them when we must.
+
+- Inside a launcher (``torchrun``, ``accelerate launch``, ``srun``, or our own
+  spawn): the launcher made the processes; run here, once per process.
+- ``parallel=none``, or a world of one process: run here.
+- Otherwise (``python train.py parallel=ddp``): start ``num_processes`` workers
+  on this node with torch's elastic launcher, the engine ``torchrun`` runs.
+  The parent has already composed and resolved the config and created the run
+  directory; workers receive both and never re-enter ``@hydra.main``.
+  Multi-node is the same rendezvous with ``num_nodes``, ``node_rank`` and
+  ``master_addr:master_port``: run the same command on every node.
+
+A failing rank makes the whole run fail with that rank's traceback; workers
+die with their launcher, even when it is killed with SIGKILL.
+"""
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+# Set by every launcher we support for each process it starts.
+LAUNCHER_ENV = ("LOCAL_RANK", "TORCHELASTIC_RUN_ID")
+
+
+class LaunchError(RuntimeError):
+    """A worker failed, or the processes do not match what was asked for."""
+
+
+def under_launcher() -> bool:
+    return any(var in os.environ for var in LAUNCHER_ENV)
+
+
+def global_rank() -> int:
+    """This process's rank, known before any process group exists."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+def processes_per_node(parallel: DictConfig) -> int:
+    """``num_processes``, with ``auto`` = visible GPUs, else ``cpu_processes``."""
+    if parallel.mode == "none":
+        return 1
+    if parallel.num_processes == "auto":
+        return torch.cuda.device_count() or parallel.cpu_processes
+    return int(parallel.num_processes)
+
+
+def expected_world_size(parallel: DictConfig) -> int:
+    if under_launcher():
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    return processes_per_node(parallel) * (1 if parallel.mode == "none" else parallel.num_nodes)
+
+
+def run(fn: Callable[[DictConfig, Path], Any], cfg: DictConfig, run_dir: Path) -> Any:
+    """``fn(cfg, run_dir)`` on every process the config asks for; rank 0's result."""
+    if under_launcher() or expected_world_size(cfg.parallel) == 1:
+        return fn(cfg, run_dir)
+    return _spawn(fn, cfg, run_dir)
+
+
+def _spawn(fn: Callable[[DictConfig, Path], Any], cfg: DictConfig, run_dir: Path) -> Any:
+    # Imported here: only a self-launching parent needs the elastic machinery.
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    p = cfg.parallel
+    nproc = processes_per_node(p)
+    if p.num_nodes == 1:
+        # c10d on port 0 picks a free port: concurrent runs never clash.
+        port = p.master_port or 0
+        rdzv = {"rdzv_backend": "c10d", "rdzv_endpoint": f"localhost:{port}", "rdzv_configs": {}}
+    else:
+        # static: node_rank decides the rank order, as torchrun --node-rank does.
+        rdzv = {
+            "rdzv_backend": "static",
+            "rdzv_endpoint": f"{p.master_addr}:{p.master_port}",
+            "rdzv_configs": {"rank": p.node_rank},
+        }
+    config = LaunchConfig(
+        min_nodes=p.num_nodes,
+        max_nodes=p.num_nodes,
+        nproc_per_node=nproc,
+        # Every node must present the same id (the static store is keyed by it).
+        run_id=uuid.uuid4().hex if p.num_nodes == 1 else f"{cfg.project}-{p.master_port}",
+        max_restarts=0,  # a failed rank fails the run; resuming is the checkpoint's job
+        start_method="spawn",
+        monitor_interval=0.1,
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / ".torchelastic")),
+        **rdzv,
+    )
+    log.info(
+        f"starting {nproc} {p.mode} workers on node {p.node_rank} of {p.num_nodes} "
+        f"({nproc * p.num_nodes} processes in all)"
+    )
+    container = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        results = elastic_launch(config, _worker)(fn, container, str(run_dir))
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        details = failure.message  # a dict from record()'s error file, else a string
+        if isinstance(details, dict):
+            details = details.get("extraInfo", {}).get("py_callstack") or details.get("message")
+        raise LaunchError(
+            f"rank {rank} failed (exit code {failure.exitcode}); its error:\n{details}"
+        ) from None
+    except SignalException as err:
+        raise LaunchError(f"stopped by {err.sigval.name}; workers were told to stop") from None
+    return results[min(results)]
+
+
+def _worker(fn: Callable[[DictConfig, Path], Any], container: dict, run_dir: str) -> Any:
+    """Entry point of a spawned worker: the resolved config, never Hydra again."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    _die_with_parent()
+    cfg = OmegaConf.create(container)
+    OmegaConf.set_struct(cfg, True)
+    # record() writes the traceback where the launcher reads it for the report.
+    return record(fn)(cfg, Path(run_dir))
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this worker when its launcher dies, even by SIGKILL."""
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the launcher was already gone before prctl
+        os._exit(1)
+
+
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - rank %(rank)s - %(message)s"
+
+
+def setup_rank_logging(run_dir: Path) -> None:
+    """With several processes: every rank logs to a file in the run dir
+    (``train.log`` for rank 0, ``train_rank{r}.log`` for the others), and only
+    rank 0 to the console. A single process keeps Hydra's logging as it is."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return
+    rank = global_rank()
+    root = logging.getLogger()
+    for handler in root.handlers[:]:
+        root.removeHandler(handler)
+        handler.close()
+    name = "train.log" if rank == 0 else f"train_rank{rank}.log"
+    handlers: list[logging.Handler] = [logging.FileHandler(run_dir / name)]
+    if rank == 0:
+        handlers.append(logging.StreamHandler(sys.stdout))
+    formatter = logging.Formatter(LOG_FORMAT.replace("%(rank)s", str(rank)))
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    logging.getLogger("accelerate").setLevel(logging.WARNING)

@@ -1,0 +1,29 @@
+"""Test-only models that fail on purpose, selected from the command line with
+``model._target_=tests.faults.<Name>``: production code carries no test hooks."""
+
+import os
+import time
+
+import torch
+
+from {{ cookiecutter.package_name }}.model import MLP
+
+
+class FailsOnRank1(MLP):
+    """Raises in the 5th forward pass of rank 1; other ranks are healthy."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        FailsOnRank1.calls += 1
+        if os.environ.get("RANK") == "1" and FailsOnRank1.calls == 5:
+            raise RuntimeError("injected failure on rank 1")
+        return super().forward(x)
+
+
+class Slow(MLP):
+    """Sleeps 50 ms per forward pass: a run that is still going when killed."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.05)
+        return super().forward(x)

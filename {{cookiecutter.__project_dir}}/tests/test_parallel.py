@@ -1,0 +1,218 @@
+"""Real multi-process runs on CPU (gloo): self-launch, torchrun, accelerate
+launch, multirun, two nodes, failures, no orphans."""
+
+import csv
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from .conftest import FAST, PROJECT_ROOT
+
+pytestmark = pytest.mark.multiprocess
+
+TRAIN = str(PROJECT_ROOT / "train.py")
+BIN = Path(sys.executable).parent
+PYTHON = [sys.executable]
+TORCHRUN = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2"]
+ACCELERATE = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2"]
+ACCELERATE += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+# The tests' own modules (tests.faults) must be importable in every worker.
+PATHS = [str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in PATHS if p)}
+
+
+def command(*overrides: str, launcher: list[str] = PYTHON) -> list[str]:
+    return [*launcher, TRAIN, *overrides]
+
+
+def run(cwd: Path, *overrides: str, launcher: list[str] = PYTHON) -> subprocess.CompletedProcess:
+    """train.py under ``launcher`` in ``cwd``; its runs/ land there."""
+    cmd = command(*overrides, launcher=launcher)
+    return subprocess.run(
+        cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+def ok(proc: subprocess.CompletedProcess) -> str:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    return out
+
+
+def fingerprints(run_dir: Path) -> dict[str, str]:
+    """The final weights fingerprint each rank logged, by log file."""
+    found = {}
+    for log in sorted(run_dir.glob("train*.log")):
+        match = re.search(r"final weights fingerprint (\w+)", log.read_text())
+        if match:
+            found[log.name] = match.group(1)
+    return found
+
+
+def only_run_dir(cwd: Path) -> Path:
+    """The single run directory a run created under cwd/runs/."""
+    summaries = list((cwd / "runs").rglob("summary.json"))
+    assert len(summaries) == 1, summaries
+    return summaries[0].parent
+
+
+def assert_two_rank_run(run_dir: Path) -> None:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    prints = fingerprints(run_dir)
+    assert set(prints) == {"train.log", "train_rank1.log"}
+    assert len(set(prints.values())) == 1, prints  # identical parameters on both ranks
+
+
+def test_self_launched_ddp(tmp_path):
+    ok(run(tmp_path, "parallel=ddp", *FAST))
+    run_dir = only_run_dir(tmp_path)
+    assert_two_rank_run(run_dir)
+    assert (run_dir / "config.json").is_file() and (run_dir / ".hydra").is_dir()
+
+
+@pytest.mark.parametrize("launcher", [TORCHRUN, ACCELERATE], ids=["torchrun", "accelerate"])
+def test_external_launchers_make_one_run_dir(tmp_path, launcher):
+    ok(run(tmp_path, "parallel=ddp", *FAST, launcher=launcher))
+    assert_two_rank_run(only_run_dir(tmp_path))
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    rows = csv.DictReader((run_dir / "metrics.csv").open())
+    return {int(r["step"]): float(r["value"]) for r in rows if r["name"] == "train/loss"}
+
+
+def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path):
+    # No dropout (its masks differ per rank by design); 20 steps stay inside the
+    # first epoch, before the last, partial batch.
+    common = [*FAST, "trainer.max_steps=20", "model.dropout=0.0"]
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    ok(run(tmp_path, f"hydra.run.dir={single}", "data.batch_size=64", *common))
+    ok(run(tmp_path, f"hydra.run.dir={ddp}", "parallel=ddp", "data.batch_size=32", *common))
+    a, b = train_losses(single), train_losses(ddp)
+    assert sorted(a) == sorted(b) == [5, 10, 15, 20]
+    assert all(abs(a[s] - b[s]) < 1e-5 for s in a), (a, b)
+    wa, wb = load_file(single / "model.safetensors"), load_file(ddp / "model.safetensors")
+    assert all((wa[k] - wb[k]).abs().max() < 1e-4 for k in wa)
+
+
+def test_multirun_with_ddp(tmp_path):
+    sweep = tmp_path / "sweep"
+    ok(run(tmp_path, "-m", "parallel=ddp", "seed=1,2", *FAST, f"hydra.sweep.dir={sweep}"))
+    for job in ("0", "1"):
+        assert_two_rank_run(sweep / job)
+    seeds = {json.loads((sweep / j / "config.json").read_text())["seed"] for j in "01"}
+    assert seeds == {1, 2}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_of_one_process_each(tmp_path):
+    run_dir = tmp_path / "shared-run-dir"  # on a cluster: a shared filesystem
+    port = free_port()
+    node = ["parallel=ddp", "parallel.num_processes=1", "parallel.num_nodes=2"]
+    node += ["parallel.master_addr=127.0.0.1", f"parallel.master_port={port}"]
+    node += [f"hydra.run.dir={run_dir}", *FAST]
+    nodes = [
+        subprocess.Popen(
+            command(*node, f"parallel.node_rank={rank}"),
+            cwd=tmp_path,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert_two_rank_run(run_dir)
+
+
+def test_a_failing_rank_fails_the_run_with_its_traceback(tmp_path):
+    start = time.monotonic()
+    proc = run(tmp_path, "parallel=ddp", "model._target_=tests.faults.FailsOnRank1", *FAST)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1
+    assert "rank 1 failed" in out
+    assert "injected failure on rank 1" in out and "Traceback" in out
+    assert time.monotonic() - start < 60
+
+
+def children_of(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_no_worker_outlives_its_launcher(tmp_path, sig):
+    run_dir = tmp_path / "run"
+    args = ["parallel=ddp", "model._target_=tests.faults.Slow", "trainer.max_steps=100000"]
+    launcher = subprocess.Popen(
+        command(*args, f"hydra.run.dir={run_dir}"),
+        cwd=tmp_path,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # until both ranks are training
+            logs = [run_dir / "train.log", run_dir / "train_rank1.log"]
+            if all(p.exists() and "parameters" in p.read_text() for p in logs):
+                break
+            time.sleep(0.2)
+        workers = [p for p in children_of(launcher.pid) if alive(p)]
+        workers = [w for w in workers if "spawn" in Path(f"/proc/{w}/cmdline").read_text()]
+        assert len(workers) == 2
+        launcher.send_signal(sig)
+        launcher.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while any(alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(w) for w in workers)
+        assert launcher.returncode != 0
+    finally:
+        launcher.kill()
+        launcher.wait()
+
+
+def test_parallel_none_under_a_two_process_launcher_is_refused(tmp_path):
+    proc = run(tmp_path, "parallel=none", *FAST, launcher=TORCHRUN)
+    assert proc.returncode != 0
+    assert "parallel=none, but the launcher started 2 processes" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_teardown_never_aborts_in_20_runs(tmp_path):
+    for i in range(20):
+        out = ok(run(tmp_path, "parallel=ddp", "trainer.max_steps=3", f"hydra.run.dir={i}"))
+        assert "terminate called" not in out and "Aborted" not in out
