@@ -77,6 +77,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "configs/optimizer/adamw.yaml",
         "configs/optimizer/sgd.yaml",
         "configs/parallel/ddp.yaml",
+        "configs/parallel/fsdp.yaml",
         "configs/parallel/none.yaml",
         "configs/preflight/off.yaml",
         "configs/scheduler/constant.yaml",

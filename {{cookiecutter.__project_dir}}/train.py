@@ -32,7 +32,7 @@ from {{ cookiecutter.package_name }}.run_dir import (
     save_resolved_config,
     write_summary,
 )
-from {{ cookiecutter.package_name }}.seeding import seed_everything
+from {{ cookiecutter.package_name }}.seeding import same_on_every_rank, seed_everything
 from {{ cookiecutter.package_name }}.tracking import flatten_config
 
 log = logging.getLogger("train")
@@ -65,7 +65,8 @@ def train(cfg: DictConfig, run_dir: Path) -> float:
 
     # --- data, model, optimizer, schedule --------------------------------------------
     loaders = instantiate(cfg.data)
-    model = instantiate(cfg.model)
+    with same_on_every_rank(cfg.seed):
+        model = instantiate(cfg.model)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
     model, optimizer, train_loader, val_loader = accelerator.prepare(
         model, optimizer, loaders.train, loaders.val
@@ -77,7 +78,8 @@ def train(cfg: DictConfig, run_dir: Path) -> float:
     accelerator.init_trackers(cfg.project, config=flatten_config(OmegaConf.to_container(cfg)))
     log.info(
         f"{sum(p.numel() for p in model.parameters()):,} parameters | "
-        f"{total_steps} steps ({steps_per_epoch}/epoch) | world size {accelerator.num_processes}"
+        f"{total_steps} steps ({steps_per_epoch}/epoch) | world size {accelerator.num_processes} "
+        f"({accelerator.distributed_type.value})"
     )
 
     # --- the loop ----------------------------------------------------------------------

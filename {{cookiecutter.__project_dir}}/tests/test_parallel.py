@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from .conftest import FAST, PROJECT_ROOT
@@ -216,3 +217,26 @@ def test_teardown_never_aborts_in_20_runs(tmp_path):
     for i in range(20):
         out = ok(run(tmp_path, "parallel=ddp", "trainer.max_steps=3", f"hydra.run.dir={i}"))
         assert "terminate called" not in out and "Aborted" not in out
+
+
+def test_fsdp_trains_the_same_weights_as_ddp(tmp_path):
+    """accelerate's FSDP2 path on CPU (see accel.py): sharded DTensor parameters,
+    reduce-scatter instead of all-reduce, the same math: identical weights."""
+    common = [*FAST, "model.dropout=0.0"]
+    fsdp, ddp = tmp_path / "fsdp", tmp_path / "ddp"
+    ok(
+        run(
+            tmp_path,
+            f"hydra.run.dir={fsdp}",
+            "parallel=fsdp",
+            *common,
+            "parallel.auto_wrap_min_params=1000",
+        )
+    )
+    ok(run(tmp_path, f"hydra.run.dir={ddp}", "parallel=ddp", *common))
+    assert_two_rank_run(fsdp)
+    assert "world size 2 (FSDP)" in (fsdp / "train.log").read_text()
+    wa, wb = load_file(fsdp / "model.safetensors"), load_file(ddp / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert train_losses(fsdp) == train_losses(ddp)

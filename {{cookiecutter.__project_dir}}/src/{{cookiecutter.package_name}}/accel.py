@@ -7,18 +7,22 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import (
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
+    DistributedType,
+    FullyShardedDataParallelPlugin,
     InitProcessGroupKwargs,
 )
 from omegaconf import DictConfig
+from torch.distributed.tensor import DTensor
 
 from .config_checks import ConfigError
 from .launch import LaunchError, expected_world_size, under_launcher
 from .tracking import build_trackers
 
-PARALLEL_MODES = ("none", "ddp")
+PARALLEL_MODES = ("none", "ddp", "fsdp")
 
 
 def build_accelerator(cfg: DictConfig, run_dir: Path) -> Accelerator:
@@ -43,6 +47,7 @@ def build_accelerator(cfg: DictConfig, run_dir: Path) -> Accelerator:
             ),
             DistributedDataParallelKwargs(find_unused_parameters=p.find_unused_parameters),
         ]
+    fsdp_plugin = _fsdp_plugin(p, on_cpu) if p.mode == "fsdp" else None
     precision = cfg.trainer.mixed_precision
     accelerator = Accelerator(
         # Without cpu=True on a machine without GPUs, accelerate ignores the
@@ -54,6 +59,7 @@ def build_accelerator(cfg: DictConfig, run_dir: Path) -> Accelerator:
         log_with=build_trackers(cfg.tracker, run_dir) or None,
         project_dir=str(run_dir),
         kwargs_handlers=handlers,
+        fsdp_plugin=fsdp_plugin,
         # train.py steps the scheduler once per optimizer step itself, so the
         # schedule length is the same for any number of processes.
         step_scheduler_with_optimizer=False,
@@ -61,6 +67,8 @@ def build_accelerator(cfg: DictConfig, run_dir: Path) -> Accelerator:
         # identical on every rank and after a resume.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),
     )
+    if fsdp_plugin is not None and accelerator.distributed_type != DistributedType.FSDP:
+        _use_fsdp_without_gpus(accelerator, fsdp_plugin)
     expected = expected_world_size(p)
     if accelerator.num_processes != expected:
         how = "the launcher started" if under_launcher() else "the config asks for"
@@ -79,12 +87,47 @@ def build_accelerator(cfg: DictConfig, run_dir: Path) -> Accelerator:
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
-    """sha256 of every parameter and buffer, in order: equal on every rank
-    of a data-parallel run (the logs show it, the tests compare it)."""
+    """sha256 of every parameter and buffer of the full model, in order: equal
+    on every rank (the logs show it, the tests compare it). Call on all ranks:
+    FSDP shards are gathered."""
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()  # a collective: every rank takes part
         digest.update(name.encode())
-        digest.update(
-            tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        )
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        digest.update(data.numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def _fsdp_plugin(p: DictConfig, on_cpu: bool) -> FullyShardedDataParallelPlugin:
+    if p.cpu_offload and on_cpu:
+        raise ConfigError("parallel.cpu_offload=true needs GPUs (the model is on the CPU already)")
+    return FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        auto_wrap_policy="size_based_wrap",
+        min_num_params=p.auto_wrap_min_params,
+        reshard_after_forward=p.reshard_after_forward,
+        cpu_offload=p.cpu_offload,
+        activation_checkpointing=p.activation_checkpointing,
+        state_dict_type="SHARDED_STATE_DICT",
+        cpu_ram_efficient_loading=False,
+    )
+
+
+def _use_fsdp_without_gpus(
+    accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin
+) -> None:
+    """accelerate enables its FSDP plugin on accelerators only and would
+    silently fall back to DDP on CPU. FSDP2 itself (``fully_shard`` on a gloo
+    process group, DTensor parameters, DCP checkpoints) works on CPU, so we
+    switch accelerate's state to FSDP explicitly: from here on prepare,
+    clip_grad_norm_, get_state_dict and save_state take accelerate's own,
+    unmodified FSDP2 code path, the one they take on GPUs. Used for CPU runs
+    and CI; production FSDP runs on GPUs where accelerate does this itself."""
+    if accelerator.num_processes > 1:
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        AcceleratorState._shared_state["distributed_type"] = DistributedType.FSDP
+        AcceleratorState._shared_state["fsdp_plugin"] = plugin
+        if accelerator.mixed_precision != "no":  # as accelerate does on GPUs
+            plugin.set_mixed_precision(accelerator.mixed_precision)

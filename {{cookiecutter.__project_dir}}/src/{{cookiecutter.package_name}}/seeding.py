@@ -1,7 +1,9 @@
 """One seed for python, numpy, torch, every rank and every data-loader worker."""
 
+import contextlib
 import os
 import random
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -33,3 +35,14 @@ def seed_worker(worker_id: int) -> None:
     worker_seed = torch.initial_seed() % 2**32
     np.random.seed(worker_seed)
     random.seed(worker_seed)
+
+
+@contextlib.contextmanager
+def same_on_every_rank(seed: int) -> Iterator[None]:
+    """Run the block (model construction) with torch's RNG seeded by ``seed``
+    alone, then restore the per-rank RNG. Every rank builds the same initial
+    weights, whatever the parallel mode: DDP would broadcast rank 0's anyway,
+    but FSDP shards each rank's own copy."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
