@@ -77,6 +77,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "configs/optimizer/adamw.yaml",
         "configs/optimizer/sgd.yaml",
         "configs/parallel/ddp.yaml",
+        "configs/parallel/deepspeed.yaml",
         "configs/parallel/fsdp.yaml",
         "configs/parallel/none.yaml",
         "configs/preflight/off.yaml",
@@ -227,18 +228,21 @@ def test_default_bake_installs_and_passes_in_a_fresh_venv(baked, tmp_path):
     py = str(env_dir / "bin" / "python")
     clean_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
 
-    def pip(*args: str) -> None:
+    def pip(*args: str, env: dict | None = None) -> None:
         proc = subprocess.run(
             [py, "-m", "pip", "install", "-q", *args],
             cwd=project,
             capture_output=True,
             text=True,
-            env=clean_env,
+            env={**clean_env, **(env or {})},
             timeout=1200,
         )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     pip("torch==2.13.0")  # the CPU wheel first, as the project README says
     pip("-e", ".[dev,slurm]")
+    # The deepspeed extra, the way the README says to install it without CUDA.
+    pip("--no-build-isolation", "deepspeed>=0.15", env={"DS_BUILD_OPS": "0"})
+    pip("-e", ".[deepspeed]")
     out = run_pytest(py, project, env=clean_env)  # everything, the slow accuracy run included
     assert "test_default_run_reaches_95_percent_in_under_a_minute" not in out  # not skipped/failed

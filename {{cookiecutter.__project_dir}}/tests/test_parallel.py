@@ -2,6 +2,7 @@
 launch, multirun, two nodes, failures, no orphans."""
 
 import csv
+import importlib.util
 import json
 import os
 import re
@@ -240,3 +241,26 @@ def test_fsdp_trains_the_same_weights_as_ddp(tmp_path):
     assert wa.keys() == wb.keys()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert train_losses(fsdp) == train_losses(ddp)
+
+
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+
+@pytest.mark.skipif(HAS_DEEPSPEED, reason="DeepSpeed is installed here")
+def test_deepspeed_without_the_package_says_how_to_install_it(tmp_path):
+    proc = run(tmp_path, "parallel=deepspeed", *FAST)
+    assert proc.returncode == 2
+    assert "pip install -e '.[deepspeed]'" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs the deepspeed extra")
+def test_deepspeed_zero2_trains_the_same_weights_as_ddp(tmp_path):
+    common = [*FAST, "model.dropout=0.0"]
+    ds, ddp = tmp_path / "deepspeed", tmp_path / "ddp"
+    ok(run(tmp_path, f"hydra.run.dir={ds}", "parallel=deepspeed", *common))
+    ok(run(tmp_path, f"hydra.run.dir={ddp}", "parallel=ddp", *common))
+    assert_two_rank_run(ds)
+    assert "world size 2 (DEEPSPEED)" in (ds / "train.log").read_text()
+    assert fingerprints(ds) == fingerprints(ddp)
+    assert train_losses(ds) == train_losses(ddp)

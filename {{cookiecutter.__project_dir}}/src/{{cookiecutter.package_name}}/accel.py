@@ -10,6 +10,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import (
     DataLoaderConfiguration,
+    DeepSpeedPlugin,
     DistributedDataParallelKwargs,
     DistributedType,
     FullyShardedDataParallelPlugin,
@@ -22,7 +23,7 @@ from .config_checks import ConfigError
 from .launch import LaunchError, expected_world_size, under_launcher
 from .tracking import build_trackers
 
-PARALLEL_MODES = ("none", "ddp", "fsdp")
+PARALLEL_MODES = ("none", "ddp", "fsdp", "deepspeed")
 
 
 def build_accelerator(cfg: DictConfig, run_dir: Path) -> Accelerator:
@@ -48,11 +49,14 @@ def build_accelerator(cfg: DictConfig, run_dir: Path) -> Accelerator:
             DistributedDataParallelKwargs(find_unused_parameters=p.find_unused_parameters),
         ]
     fsdp_plugin = _fsdp_plugin(p, on_cpu) if p.mode == "fsdp" else None
+    deepspeed_plugin = _deepspeed_plugin(cfg) if p.mode == "deepspeed" else None
     precision = cfg.trainer.mixed_precision
     accelerator = Accelerator(
         # Without cpu=True on a machine without GPUs, accelerate ignores the
-        # launcher and every process becomes an independent rank 0.
-        cpu=on_cpu,
+        # launcher and every process becomes an independent rank 0. DeepSpeed is
+        # the exception: accelerate skips it under cpu=True, and DeepSpeed
+        # brings its own (gloo) process group on a CPU.
+        cpu=on_cpu and p.mode != "deepspeed",
         # YAML reads an unquoted `no` as false.
         mixed_precision="no" if precision is False else precision,
         gradient_accumulation_steps=cfg.trainer.grad_accum_steps,
@@ -60,6 +64,7 @@ def build_accelerator(cfg: DictConfig, run_dir: Path) -> Accelerator:
         project_dir=str(run_dir),
         kwargs_handlers=handlers,
         fsdp_plugin=fsdp_plugin,
+        deepspeed_plugin=deepspeed_plugin,
         # train.py steps the scheduler once per optimizer step itself, so the
         # schedule length is the same for any number of processes.
         step_scheduler_with_optimizer=False,
@@ -69,6 +74,12 @@ def build_accelerator(cfg: DictConfig, run_dir: Path) -> Accelerator:
     )
     if fsdp_plugin is not None and accelerator.distributed_type != DistributedType.FSDP:
         _use_fsdp_without_gpus(accelerator, fsdp_plugin)
+    wanted = {"fsdp": DistributedType.FSDP, "deepspeed": DistributedType.DEEPSPEED}.get(p.mode)
+    if wanted and accelerator.num_processes > 1 and accelerator.distributed_type != wanted:
+        raise LaunchError(
+            f"parallel.mode={p.mode!r} asked for {wanted.value} but accelerate set up "
+            f"{accelerator.distributed_type.value}"
+        )
     expected = expected_world_size(p)
     if accelerator.num_processes != expected:
         how = "the launcher started" if under_launcher() else "the config asks for"
@@ -112,6 +123,26 @@ def _fsdp_plugin(p: DictConfig, on_cpu: bool) -> FullyShardedDataParallelPlugin:
         activation_checkpointing=p.activation_checkpointing,
         state_dict_type="SHARDED_STATE_DICT",
         cpu_ram_efficient_loading=False,
+    )
+
+
+def _deepspeed_plugin(cfg: DictConfig) -> DeepSpeedPlugin:
+    try:
+        import deepspeed  # noqa: F401  (optional: only this mode needs it)
+    except ImportError:
+        raise ConfigError(
+            "parallel=deepspeed needs DeepSpeed, which is not installed: "
+            "pip install -e '.[deepspeed]' (on a machine without CUDA: "
+            "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed)"
+        ) from None
+    p = cfg.parallel
+    return DeepSpeedPlugin(
+        zero_stage=p.zero_stage,
+        offload_optimizer_device=p.offload_optimizer,
+        offload_param_device=p.offload_params,
+        gradient_accumulation_steps=cfg.trainer.grad_accum_steps,
+        # DeepSpeed clips inside its step; train.py's clip_grad_norm_ is then a no-op.
+        gradient_clipping=cfg.trainer.grad_clip_norm or 0.0,
     )
 
 
