@@ -174,12 +174,9 @@ def main(cfg: DictConfig) -> float:
         run_dir = hydra_run_dir()
         save_resolved_config(cfg, run_dir)
         return run(train, cfg, run_dir)  # here, or in N spawned workers
-    except ConfigError as err:
+    except (ConfigError, LaunchError) as err:  # exit codes 2 and 1 (or a rank's own)
         log.error(str(err))
-        sys.exit(2)
-    except LaunchError as err:
-        log.error(str(err))
-        sys.exit(1)
+        sys.exit(err.exit_code)
 
 
 if __name__ == "__main__":

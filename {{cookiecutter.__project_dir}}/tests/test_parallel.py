@@ -246,13 +246,6 @@ def test_fsdp_trains_the_same_weights_as_ddp(tmp_path):
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 
-@pytest.mark.skipif(HAS_DEEPSPEED, reason="DeepSpeed is installed here")
-def test_deepspeed_without_the_package_says_how_to_install_it(tmp_path):
-    proc = run(tmp_path, "parallel=deepspeed", *FAST)
-    assert proc.returncode == 2
-    assert "pip install -e '.[deepspeed]'" in proc.stdout + proc.stderr
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs the deepspeed extra")
 def test_deepspeed_zero2_trains_the_same_weights_as_ddp(tmp_path):

@@ -152,6 +152,15 @@ def test_bad_input_fails_before_training_with_a_clear_message(train_run, overrid
         assert "Available options" in run.output or "struct" in run.output
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is not None, reason="DeepSpeed is installed here"
+)
+def test_deepspeed_without_the_package_says_how_to_install_it(train_run):
+    run = train_run(*FAST, "parallel=deepspeed", check=False)
+    assert run.proc.returncode == 2
+    assert "pip install -e '.[deepspeed]'" in run.output
+
+
 @pytest.mark.slow
 def test_default_run_reaches_95_percent_in_under_a_minute(train_run):
     run = train_run()  # every default, as `python train.py`

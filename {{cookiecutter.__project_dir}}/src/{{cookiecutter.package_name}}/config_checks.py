@@ -17,6 +17,8 @@ MIXED_PRECISION = ("no", "bf16", "fp16")
 class ConfigError(ValueError):
     """A configuration value is not allowed."""
 
+    exit_code = 2
+
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)

@@ -36,6 +36,10 @@ LAUNCHER_ENV = ("LOCAL_RANK", "TORCHELASTIC_RUN_ID")
 class LaunchError(RuntimeError):
     """A worker failed, or the processes do not match what was asked for."""
 
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
 
 def under_launcher() -> bool:
     return any(var in os.environ for var in LAUNCHER_ENV)
@@ -105,16 +109,19 @@ def _spawn(fn: Callable[[DictConfig, Path], Any], cfg: DictConfig, run_dir: Path
         f"({nproc * p.num_nodes} processes in all)"
     )
     container = OmegaConf.to_container(cfg, resolve=True)
+    # The agent logs each worker exit with a traceback of its own internals;
+    # the LaunchError below reports the failing rank's own error instead.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     try:
         results = elastic_launch(config, _worker)(fn, container, str(run_dir))
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
+        code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
         details = failure.message  # a dict from record()'s error file, else a string
-        if isinstance(details, dict):
-            details = details.get("extraInfo", {}).get("py_callstack") or details.get("message")
-        raise LaunchError(
-            f"rank {rank} failed (exit code {failure.exitcode}); its error:\n{details}"
-        ) from None
+        if isinstance(details, dict):  # a traceback for crashes, one line for known stops
+            trace = details.get("extraInfo", {}).get("py_callstack")
+            details = trace if code == 1 and trace else details.get("message")
+        raise LaunchError(f"rank {rank} failed (exit code {code}): {details}", code) from None
     except SignalException as err:
         raise LaunchError(f"stopped by {err.sigval.name}; workers were told to stop") from None
     return results[min(results)]
@@ -127,8 +134,15 @@ def _worker(fn: Callable[[DictConfig, Path], Any], container: dict, run_dir: str
     _die_with_parent()
     cfg = OmegaConf.create(container)
     OmegaConf.set_struct(cfg, True)
-    # record() writes the traceback where the launcher reads it for the report.
-    return record(fn)(cfg, Path(run_dir))
+    try:
+        # record() writes the error where the launcher reads it for the report.
+        return record(fn)(cfg, Path(run_dir))
+    except Exception as err:
+        # Known stops (bad config, interrupted, ...) carry their exit code.
+        if not hasattr(err, "exit_code"):
+            raise
+        log.error(str(err))
+        sys.exit(err.exit_code)
 
 
 def _die_with_parent() -> None:
