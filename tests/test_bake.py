@@ -68,6 +68,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         ".pre-commit-config.yaml",
         "README.md",
         "pyproject.toml",
+        "scripts/gpu_check.sh",
         "train.py",
         "configs/train.yaml",
         "configs/checkpoint/none.yaml",
