@@ -14,6 +14,7 @@ The count of skipped steps is saved in checkpoints (``trainer_state.json``) and
 reported in ``summary.json`` as ``skipped_nan_steps``.
 """
 
+import logging
 from typing import Any
 
 import torch
@@ -21,6 +22,8 @@ from accelerate import Accelerator
 
 ON_NAN = ("stop", "skip")
 EXIT_NONFINITE = 3
+
+log = logging.getLogger(__name__)
 
 
 class NonFiniteLoss(RuntimeError):
@@ -55,6 +58,11 @@ class LossGuard:
         if self.mode == "skip":
             if not bool(ok):  # one host sync per optimizer step
                 self.skipped += 1
+                if self.skipped <= 10 or self.skipped % 100 == 0:
+                    log.warning(
+                        f"loss not finite: update dropped (trainer.on_nan=skip), "
+                        f"{self.skipped} dropped so far"
+                    )
                 return True
             return False
         self._all_ok &= ok
