@@ -24,6 +24,7 @@ from {{ cookiecutter.package_name }}.checkpoint import (
     load_tensors_safely,
     verify_checkpoint,
 )
+from {{ cookiecutter.package_name }}.checkpoint import main as checkpoint_cli
 from {{ cookiecutter.package_name }}.config_checks import ConfigError, check_config
 from {{ cookiecutter.package_name }}.run_dir import resolve_config
 
@@ -215,7 +216,10 @@ def test_interrupted_run_resumes_bit_exactly(reference, tmp_path, num_workers, k
     )
 
 
-@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGUSR1, 138)])
+@pytest.mark.parametrize(
+    ("signum", "code"),
+    [(signal.SIGTERM, 143), pytest.param(signal.SIGUSR1, 138, marks=pytest.mark.slow)],
+)
 def test_signal_saves_exits_and_resumes(reference, tmp_path, signum, code):
     run = tmp_path / "run"
     proc = start_train(run, *ARGS)
@@ -399,29 +403,32 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_cli_list_verify_export(reference, tmp_path):
+def test_cli_list_verify_export(reference, tmp_path, capsys):
     ref = reference(0)
-    listed = cli("list", str(ref))
+    listed = cli("list", str(ref))  # once as a real `python -m`, then in-process
     assert listed.returncode == 0, listed.stderr
     lines = listed.stdout.splitlines()
     assert lines[0].split()[:4] == ["checkpoint", "step", "epoch", "size"]
     row = next(line for line in lines if line.startswith("step_0000077"))
     assert row.split()[1:3] == ["77", "4"] and "valid" in row and "train/loss=" in row
 
-    ok = cli("verify", str(ref / "checkpoints"))
-    assert ok.returncode == 0 and f"{len(steps_in(ref))} valid, 0 invalid" in ok.stdout
+    def run_cli(*args: str) -> tuple[int, str]:
+        code = checkpoint_cli(list(args))
+        return code, capsys.readouterr().out
+
+    code, out = run_cli("verify", str(ref / "checkpoints"))
+    assert code == 0 and f"{len(steps_in(ref))} valid, 0 invalid" in out
 
     run = copy_run(ref, tmp_path / "run")
     (ckpt_dir(run, 77) / "scheduler.pt").write_bytes(b"garbage")
-    bad = cli("verify", str(run))
-    assert bad.returncode == 1 and "1 invalid" in bad.stdout
-    assert "scheduler.pt: 7 bytes" in bad.stdout
-    assert "INVALID" in cli("list", str(run)).stdout
+    code, out = run_cli("verify", str(run))
+    assert code == 1 and "1 invalid" in out and "scheduler.pt: 7 bytes" in out
+    assert "INVALID" in run_cli("list", str(run))[1]
 
-    out = tmp_path / "export" / "weights.safetensors"
-    exported = cli("export", str(run), "-o", str(out))
-    assert exported.returncode == 0, exported.stderr
-    assert_same_weights(out, ref)
+    exported = tmp_path / "export" / "weights.safetensors"
+    code, out = run_cli("export", str(run), "-o", str(exported))
+    assert code == 0 and f"{ckpt_dir(run, 80) / 'model.safetensors'} -> {exported}" in out
+    assert_same_weights(exported, ref)
 
 
 # --- fault injection -----------------------------------------------------------------------------
@@ -479,4 +486,20 @@ def test_sigkill_at_many_moments_always_resumes_to_the_same_weights(reference, t
             assert "resumed from" in done.output
         assert not list((run / "checkpoints").glob("*.tmp"))
         assert_same_weights(run, ref)
+    print(f"{kills} SIGKILLs in {len(trials)} runs: every resume matched the reference")
     assert kills >= 20
+
+
+def test_bench_script_runs_with_a_tiny_model(tmp_path):
+    tiny = ["--width", "16", "--depth", "1", "--repeats", "2", "--dir", str(tmp_path)]
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_checkpoint.py", *tiny],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ratios = [line for line in proc.stdout.splitlines() if " ratio " in line]
+    assert len(ratios) == 3 and all(float(line.split()[-1].rstrip("x")) > 0 for line in ratios)
+    assert list(tmp_path.iterdir()) == []  # its files are removed

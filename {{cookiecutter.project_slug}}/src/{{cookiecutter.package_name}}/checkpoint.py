@@ -68,7 +68,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,7 +76,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load as load_safetensors
+from safetensors.torch import load_file as load_safetensors_file
 from safetensors.torch import save as save_safetensors
 
 log = logging.getLogger(__name__)
@@ -204,57 +204,94 @@ def read_manifest(ckpt: Path) -> dict[str, Any]:
     return manifest
 
 
-def _read_verified(ckpt: Path, name: str, expected: dict[str, Any]) -> bytes:
+def _check_file(ckpt: Path, name: str, expected: dict[str, Any]) -> None:
+    """Size and sha256 of one file against its manifest entry."""
     path = ckpt / name
     if "/" in name or name.startswith("."):
         raise CheckpointError(f"{ckpt / MANIFEST}: bad file name {name!r}")
     try:
-        data = path.read_bytes()
+        size = path.stat().st_size
+        if size != expected["size"]:
+            raise CheckpointError(
+                f"{path}: {size} bytes, the manifest says {expected['size']} (truncated?)"
+            )
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)  # releases the GIL: runs beside the parsing
     except OSError as err:
         raise CheckpointError(f"{path}: cannot be read ({err.strerror})") from err
-    if len(data) != expected["size"]:
-        raise CheckpointError(
-            f"{path}: {len(data)} bytes, the manifest says {expected['size']} (truncated?)"
-        )
-    if _sha256(data) != expected["sha256"]:
+    if digest.hexdigest() != expected["sha256"]:
         raise CheckpointError(f"{path}: sha256 does not match the manifest (corrupted)")
-    return data
 
 
-def read_checkpoint_files(ckpt: Path, names: Iterable[str] | None = None) -> dict[str, bytes]:
-    """Read and verify the files of a checkpoint (all, or ``names``); raise
-    CheckpointError naming the first bad file."""
+def verify_files(
+    ckpt: Path,
+    names: Iterable[str] | None = None,
+    parse: Callable[[str, Path], Any] | None = None,
+) -> dict[str, Any]:
+    """Check the size and sha256 of a checkpoint's files (all, or ``names``)
+    against its manifest, and meanwhile parse them with ``parse`` (the hashes
+    are computed in threads beside the parsing, so verification costs little
+    extra time). Raise CheckpointError naming the first bad file; nothing
+    parsed is returned unless every file is intact."""
     manifest = read_manifest(ckpt)
     files = manifest["files"]
     extra = sorted(p.name for p in ckpt.iterdir() if p.name != MANIFEST and p.name not in files)
     if extra:
         raise CheckpointError(f"{ckpt}: files not in the manifest: {', '.join(extra)}")
     wanted = list(files) if names is None else [n for n in names if n in files]
-    with ThreadPoolExecutor(max_workers=4) as pool:  # read + hash files in parallel
-        futures = {n: pool.submit(_read_verified, ckpt, n, files[n]) for n in wanted}
-        return {n: f.result() for n, f in futures.items()}
+    parsed: dict[str, Any] = {}
+    parse_error: CheckpointError | None = None
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        checks = [pool.submit(_check_file, ckpt, n, files[n]) for n in wanted]
+        for name in wanted if parse else []:
+            try:
+                parsed[name] = parse(name, ckpt / name)
+            except CheckpointError as err:
+                parse_error = err
+                break
+        for check in checks:
+            check.result()  # a hash problem explains a parse error: report it first
+    if parse_error is not None:
+        raise parse_error
+    return parsed
 
 
 def verify_checkpoint(ckpt: Path) -> str | None:
     """None when valid, else the reason (naming the file)."""
     try:
-        read_checkpoint_files(ckpt)
+        verify_files(ckpt)
     except CheckpointError as err:
         return str(err)
     return None
 
 
-def load_tensors_safely(data: bytes, name: str) -> Any:
+def load_tensors_safely(source: Path | bytes, name: str) -> Any:
     """``torch.load(weights_only=True)``: tensors and plain containers only. A
     pickle that would build any other object (e.g. run code) is refused."""
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as err:
+        if isinstance(source, bytes | bytearray):
+            source = io.BytesIO(source)
+        return torch.load(source, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
         raise CheckpointError(
             f"{name}: refused: it holds more than tensors and plain containers, so it is "
             f"not loaded (weights_only=True): {first_line}"
         ) from err
+
+
+def parse_file(name: str, path: Path) -> Any:
+    """A checkpoint file as Python data: safetensors, weights-only torch, JSON."""
+    try:
+        if name.endswith(".safetensors"):
+            return load_safetensors_file(path)
+        if name.endswith(".json"):
+            return json.loads(path.read_text(encoding="utf-8"))
+    except Exception as err:  # safetensors raises its own error types
+        raise CheckpointError(f"{path}: unreadable ({err})") from err
+    return load_tensors_safely(path, str(path))
 
 
 def _pause_point(point: str, step: int) -> None:
@@ -503,8 +540,8 @@ class CheckpointManager:
         saved_world = int(manifest.get("world_size", 1))
         rng_name = f"rng_rank{rank % saved_world}.pt"
         names = [n for n in manifest["files"] if not n.startswith("rng_rank")] + [rng_name]
-        data = read_checkpoint_files(ckpt, names)
-        saved_config = json.loads(data["config.json"])
+        loaded = verify_files(ckpt, names, parse=parse_file)
+        saved_config = loaded["config.json"]
         diffs = config_differences(saved_config, self.config)
         if diffs:
             # Not a fallback case: every checkpoint of that run has the same config.
@@ -519,18 +556,9 @@ class CheckpointManager:
                 f"{ckpt} was saved with {saved_world} processes, resuming with {world}: "
                 "the run continues, but not bit-exactly"
             )
+        trainer = loaded["trainer_state.json"]
         try:
-            model_state = load_safetensors(data["model.safetensors"])
-        except Exception as err:
-            raise CheckpointError(f"{ckpt / 'model.safetensors'}: unreadable ({err})") from err
-        loaded = {
-            n: load_tensors_safely(data[n], str(ckpt / n))
-            for n in ("optimizer.pt", "scheduler.pt", "scaler.pt", rng_name)
-            if n in data
-        }
-        trainer = json.loads(data["trainer_state.json"])
-        try:
-            self.accelerator.unwrap_model(self.model).load_state_dict(model_state)
+            self.accelerator.unwrap_model(self.model).load_state_dict(loaded["model.safetensors"])
             self.optimizer.load_state_dict(loaded["optimizer.pt"])
             self.scheduler.load_state_dict(loaded["scheduler.pt"])
             scaler = getattr(self.accelerator, "scaler", None)
@@ -740,8 +768,7 @@ class CheckpointManager:
 
             tensors = {k: v.detach().contiguous().cpu() for k, v in model_state.items()}
             submit("model.safetensors", save_safetensors(tensors, metadata={"step": str(step)}))
-            futures["model.safetensors"][0].result()
-            _pause_point("between_files", step)
+            _pause_point("between_files", step)  # the model file written or in flight
             submit("optimizer.pt", _torch_bytes(self.optimizer.state_dict()))
             submit("scheduler.pt", _torch_bytes(self.scheduler.state_dict()))
             scaler = getattr(self.accelerator, "scaler", None)
@@ -842,14 +869,15 @@ def _cli_verify(path: Path) -> int:
 def _cli_export(path: Path, out: Path) -> int:
     for ckpt in reversed(_resolve_many(path)):  # the newest valid one
         try:
-            data = read_checkpoint_files(ckpt, ["model.safetensors"])["model.safetensors"]
+            verify_files(ckpt, ["model.safetensors"], parse=parse_file)
         except CheckpointError as err:
             print(f"skipping {ckpt}: {err}", file=sys.stderr)
             continue
-        load_safetensors(data)  # parses: a real safetensors file
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f".{out.name}.tmp")
-        _write_file(tmp, data)
+        shutil.copyfile(ckpt / "model.safetensors", tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, out)
         print(f"exported {ckpt / 'model.safetensors'} -> {out}")
         return 0
