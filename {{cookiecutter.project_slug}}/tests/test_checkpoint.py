@@ -82,11 +82,13 @@ def wait_until(condition, timeout: float = 120, what: str = "condition") -> None
         time.sleep(0.005)
 
 
-def kill_when_paused(run_dir: Path, point: str, step: int, *overrides: str) -> None:
-    """Run until a save pauses at POINT for STEP, then SIGKILL the process there."""
+def kill_when_paused(run_dir: Path, point: str, step: int | None, *overrides: str) -> None:
+    """Run until a save pauses at POINT for STEP (None: the first time it passes
+    POINT), then SIGKILL the process there."""
     out = Path(f"{run_dir}.out")
     seen = out.stat().st_size if out.exists() else 0  # earlier runs append there too
-    proc = start_train(run_dir, *overrides, env={"CKPT_TEST_PAUSE_AT": f"{point}@{step}"})
+    pause = point if step is None else f"{point}@{step}"
+    proc = start_train(run_dir, *overrides, env={"CKPT_TEST_PAUSE_AT": pause})
     try:
         wait_until(
             lambda: b"CKPT_TEST_PAUSED" in out.read_bytes()[seen:] or proc.poll() is not None,
@@ -436,22 +438,26 @@ def test_cli_list_verify_export(reference, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_sigkill_at_many_moments_always_resumes_to_the_same_weights(reference, tmp_path):
-    """21 SIGKILLs: during saves (between files, before the rename, before the
-    pointers) and at random times; after each, the restart must resume from a
-    valid checkpoint, and every run must end with the uninterrupted weights."""
+    """Up to 24 SIGKILLs (19 at pause points, 5 at random moments): during saves
+    (between files, before the rename, before the pointers, while pruning) and
+    at random times. After each, every committed checkpoint must be valid; each
+    run is then finished by restarting the same command and must end with the
+    uninterrupted run's weights."""
     rng = random.Random(0)
     ref = reference(0)
     kills = 0
     # (moment, step) per kill; each trial is one run dir killed three times,
-    # then run to the end. A random kill comes within 50 ms of a new checkpoint.
+    # then run to the end. A random kill comes within 50 ms of a new checkpoint;
+    # "pruning" pauses at the first deletion of an old checkpoint.
     trials = [
         [("between_files", 7), ("before_rename", 21), ("random", None)],
         [("before_rename", 14), ("between_files", 35), ("before_pointers", 49)],
         [("before_pointers", 7), ("between_files", 63), ("random", None)],
         [("random", None), ("before_rename", 56), ("before_pointers", 70)],
         [("between_files", 28), ("before_pointers", 42), ("before_rename", 70)],
-        [("random", None), ("between_files", 77), ("random", None)],
+        [("pruning", None), ("between_files", 77), ("random", None)],
         [("before_rename", 7), ("random", None), ("before_pointers", 77)],
+        [("between_files", 14), ("before_pointers", 28), ("pruning", None)],
     ]
     for trial, moments in enumerate(trials):
         run = tmp_path / f"trial{trial}"
@@ -470,7 +476,7 @@ def test_sigkill_at_many_moments_always_resumes_to_the_same_weights(reference, t
                     continue  # finished first: not a kill
                 proc.kill()
                 proc.wait()
-            elif step <= max(before, default=0):
+            elif step is not None and step <= max(before, default=0):
                 continue  # a random kill came later than this step
             else:
                 kill_when_paused(run, moment, step, *ARGS)
@@ -481,6 +487,8 @@ def test_sigkill_at_many_moments_always_resumes_to_the_same_weights(reference, t
             if moment in ("between_files", "before_rename"):
                 assert (root / f"step_{step:07d}.tmp").is_dir()
                 assert ckpt_dir(run, step) not in committed
+            if moment == "pruning":  # renamed away first, so never a half checkpoint
+                assert list(root.glob("step_*.pruned.tmp"))
         done = run_train(run, *ARGS)
         if steps_in(run) and done.summary["resumed_from"] is not None:
             assert "resumed from" in done.output

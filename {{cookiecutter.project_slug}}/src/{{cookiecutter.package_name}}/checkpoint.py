@@ -114,7 +114,7 @@ ALLOWED_CONFIG_CHANGES = (
 )
 # Test hook, documented and inert unless set: ``CKPT_TEST_PAUSE_AT=POINT[@STEP]``
 # makes a save pause (sleep) at POINT (between_files, before_rename,
-# before_pointers) so a test can SIGKILL the process exactly there.
+# before_pointers, pruning) so a test can SIGKILL the process exactly there.
 _PAUSE_ENV = "CKPT_TEST_PAUSE_AT"
 
 
@@ -726,10 +726,10 @@ class CheckpointManager:
             ) from failed
         if new_best is not None:
             self.best = new_best
+        self.last_saved, self._last_saved_step = final, step
         if acc.is_main_process:
             self._prune()
         acc.wait_for_everyone()
-        self.last_saved, self._last_saved_step = final, step
         log.info(f"checkpoint saved: {final} ({', '.join(reasons)})")
         return final
 
@@ -804,7 +804,12 @@ class CheckpointManager:
             keep.add(f"step_{self.best['step']:07d}")
         for ckpt in ckpts[:-1]:  # never the newest
             if ckpt.name not in keep:
-                shutil.rmtree(ckpt, ignore_errors=True)
+                # Rename first (atomic), then delete: a crash mid-delete leaves a
+                # *.tmp folder (removed at the next start), never a half checkpoint.
+                doomed = ckpt.with_name(f"{ckpt.name}.pruned.tmp")
+                os.replace(ckpt, doomed)
+                _pause_point("pruning", self._last_saved_step)
+                shutil.rmtree(doomed, ignore_errors=True)
 
 
 class ConfigMismatch(CheckpointError):
