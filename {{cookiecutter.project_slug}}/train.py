@@ -95,7 +95,7 @@ def train(cfg: DictConfig) -> float:
         stateful={"metrics": book}, guard=guard,
     )  # fmt: skip
     start_at = ckpt.resume()  # step/epoch/batch 0 unless resuming; restores every state
-    step, epoch, batch = start_at.step, start_at.epoch, start_at.batch
+    step, epoch = start_at.step, start_at.epoch
 
     # --- the loop ----------------------------------------------------------------------
     progress = Progress(total_steps, initial_step=step)
@@ -163,7 +163,7 @@ def train(cfg: DictConfig) -> float:
                 break
     progress.close()
     guard.check(step)
-    ckpt.finish(step, epoch, batch)  # the last checkpoint; after SIGTERM/SIGUSR1: exit
+    ckpt.finish()  # the last checkpoint; after SIGTERM/SIGUSR1: exit
 
     # --- summary and final weights -----------------------------------------------------
     wall = time.perf_counter() - start

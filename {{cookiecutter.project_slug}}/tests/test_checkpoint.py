@@ -175,6 +175,30 @@ def test_layout_manifest_pointers_and_pruning(reference):
     assert_same_weights(ckpt_dir(run, 80), run)
 
 
+def test_every_n_epochs_saves_at_epoch_ends_and_resumes_at_the_next_epoch(tmp_path):
+    run = tmp_path / "run"
+    only_epochs = [
+        "checkpoint.every_n_steps=null",
+        "checkpoint.every_n_epochs=1",
+        "checkpoint.save_best.enabled=false",
+        "checkpoint.save_last=false",
+        "tracker=none",
+    ]
+    run_train(run, "trainer.max_steps=50", *only_epochs)
+    assert steps_in(run) == [23, 46]
+    manifest = json.loads((ckpt_dir(run, 46) / "MANIFEST.json").read_text())
+    assert (manifest["epoch"], manifest["batch"], manifest["reasons"]) == (
+        1,
+        23,
+        ["every_n_epochs"],
+    )
+    assert not (run / "checkpoints" / "best.json").exists()
+    # A longer run (trainer.max_steps may change) continues at the third epoch's start.
+    longer = run_train(run, "trainer.max_steps=60", *only_epochs)
+    assert f"resumed from {ckpt_dir(run, 46)}: step 46, epoch 3, batch 0 of 23" in longer.output
+    assert longer.summary["step"] == 60 and longer.summary["epoch"] == 3
+
+
 def test_config_checks_name_key_value_and_allowed(compose_cfg, tmp_path):
     cases = {
         "checkpoint.keep_last=1": "checkpoint.keep_last=1 is not allowed: expected an integer >= 2",
@@ -246,8 +270,14 @@ def test_signal_saves_exits_and_resumes(reference, tmp_path, signum, code):
 def test_resume_from_another_runs_checkpoint_and_never(reference, tmp_path):
     ref = reference(0)
     # A checkpoint folder of another run: continue from it in a new run dir.
-    other = run_train(tmp_path / "other", *ARGS, f"checkpoint.resume={ckpt_dir(ref, 70)}")
+    from_70 = [*ARGS, f"checkpoint.resume={ckpt_dir(ref, 70)}"]
+    other = run_train(tmp_path / "other", *from_70)
     assert other.summary["resumed_from"] == str(ckpt_dir(ref, 70))
+    assert_same_weights(other.run_dir, ref)
+    # The same command again continues this run (here: already finished at 80).
+    again = run_train(other.run_dir, *from_70)
+    assert again.summary["resumed_from"] == str(ckpt_dir(other.run_dir, 80))
+    assert again.summary["step"] == 80 and "continuing this run from them" in again.output
     assert_same_weights(other.run_dir, ref)
     # never, in a run dir that has checkpoints: refused rather than mixing two runs.
     # (In a new run dir it is a fresh start, as every other test's first run.)

@@ -411,7 +411,6 @@ class CheckpointManager:
     ) -> None:
         from omegaconf import OmegaConf
 
-        self.cfg = cfg
         self.config = OmegaConf.to_container(cfg, resolve=True)
         self.ck = self.config.get("checkpoint", {})
         self.enabled = bool(self.ck.get("enabled", False))
@@ -430,6 +429,7 @@ class CheckpointManager:
         self._signal: int | None = None
         self._old_handlers: dict[int, Any] = {}
         self._pending_best: dict[str, Any] | None = None
+        self._position = Position()  # of the last step boundary seen
         if self.enabled:
             if accelerator.is_main_process:
                 self._remove_stale_tmp()
@@ -474,10 +474,21 @@ class CheckpointManager:
         ``auto``: this run dir's checkpoints, or a fresh start when there are none.
         ``never``: a fresh start. A path (run dir, checkpoints dir or one
         checkpoint): resume from there, or fail when nothing there is valid.
+        Once this run dir has checkpoints of its own, a path outside it only
+        started the run: restarting the same command continues from this run's
+        own checkpoints (a path inside it, e.g. an older checkpoint, is honored).
         """
         if not self.enabled:
             return Position()
         mode = str(self.ck.get("resume", "auto"))
+        if mode not in ("auto", "never") and committed_checkpoints(self.dir):
+            target = Path(mode).resolve()
+            if not target.is_relative_to(self.dir.parent.resolve()):
+                log.info(
+                    f"{self.dir} has checkpoints: continuing this run from them "
+                    f"(checkpoint.resume={mode} started it)"
+                )
+                mode = "auto"
         if mode == "never":
             existing = committed_checkpoints(self.dir)
             if existing:
@@ -508,6 +519,7 @@ class CheckpointManager:
                 problems.append(str(err))
                 continue
             self.resumed_from = str(ckpt)
+            self._position = position
             if self.accelerator.is_main_process:
                 self._set_aside_newer_than(position.step)
             log.info(
@@ -596,6 +608,7 @@ class CheckpointManager:
         """At every optimizer-step boundary: save when a rule says so (every N
         steps, at the end of every N epochs, on a new best value of the monitored
         metric, after SIGTERM/SIGUSR1)."""
+        self._position = Position(step, epoch, batch)
         if not self.enabled:
             return None
         reasons = []
@@ -612,9 +625,11 @@ class CheckpointManager:
             return None
         return self.save(step, epoch, batch, reasons)
 
-    def finish(self, step: int, epoch: int, batch: int) -> None:
+    def finish(self) -> None:
         """After the loop: the final save (``save_last``), or, after a stop
-        signal, raise TrainingInterrupted (the checkpoint is already saved)."""
+        signal, raise TrainingInterrupted (the checkpoint is already saved).
+        The position saved is the last one passed to ``maybe_save``."""
+        step, epoch, batch = self._position.step, self._position.epoch, self._position.batch
         try:
             if self._signal is not None:
                 if self.enabled and self._last_saved_step != step:
