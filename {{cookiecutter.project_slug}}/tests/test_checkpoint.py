@@ -102,15 +102,17 @@ def kill_when_paused(run_dir: Path, point: str, step: int | None, *overrides: st
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Uninterrupted runs of ARGS, one per data.num_workers, made once."""
-    runs: dict[int, Path] = {}
+    """Uninterrupted runs of ARGS (plus data.num_workers and extra overrides),
+    each made once per module."""
+    runs: dict[tuple, Path] = {}
 
-    def _get(num_workers: int = 0) -> Path:
-        if num_workers not in runs:
-            run_dir = tmp_path_factory.mktemp("reference") / f"workers{num_workers}"
-            run_train(run_dir, *ARGS, f"data.num_workers={num_workers}")
-            runs[num_workers] = run_dir
-        return runs[num_workers]
+    def _get(num_workers: int = 0, *extra: str) -> Path:
+        key = (num_workers, *extra)
+        if key not in runs:
+            run_dir = tmp_path_factory.mktemp("reference") / "run"
+            run_train(run_dir, *ARGS, f"data.num_workers={num_workers}", *extra)
+            runs[key] = run_dir
+        return runs[key]
 
     return _get
 
@@ -220,26 +222,30 @@ def test_config_checks_name_key_value_and_allowed(compose_cfg, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("num_workers", "killed_at"),
-    [(0, 12), pytest.param(2, 52, marks=pytest.mark.slow)],
+    ("num_workers", "killed_at", "extra"),
+    [
+        (0, 12, ()),
+        pytest.param(2, 52, (), marks=pytest.mark.slow),
+        # 3 micro-batches per step: epoch 1 ends on a partial accumulation.
+        pytest.param(0, 10, ("trainer.grad_accum_steps=3",), marks=pytest.mark.slow),
+    ],
 )
-def test_interrupted_run_resumes_bit_exactly(reference, tmp_path, num_workers, killed_at):
+def test_interrupted_run_resumes_bit_exactly(reference, tmp_path, num_workers, killed_at, extra):
     """SIGKILL mid-epoch right after a checkpoint, restart the same command: the
     final weights equal the uninterrupted run's, tensor for tensor."""
-    args = [*ARGS, f"data.num_workers={num_workers}"]
+    args = [*ARGS, f"data.num_workers={num_workers}", *extra]
     run = tmp_path / "run"
     # Save every step in the interrupted run (checkpoint.* may change on resume).
     kill_when_paused(run, "before_pointers", killed_at, *args, "checkpoint.every_n_steps=1")
-    assert max(steps_in(run)) == killed_at and killed_at % BATCHES_PER_EPOCH != 0
+    state = json.loads((ckpt_dir(run, killed_at) / "trainer_state.json").read_text())
+    assert 0 < state["batch"] < BATCHES_PER_EPOCH  # mid-epoch
     resumed = run_train(run, *args)
     assert f"resumed from {ckpt_dir(run, killed_at)}" in resumed.output
     assert resumed.summary["resumed_from"] == str(ckpt_dir(run, killed_at))
-    assert resumed.summary["step"] == 80
-    assert_same_weights(run, reference(num_workers))
-    assert (
-        resumed.summary["best"]
-        == json.loads((reference(num_workers) / "summary.json").read_text())["best"]
-    )
+    ref = reference(num_workers, *extra)
+    assert resumed.summary["step"] == json.loads((ref / "summary.json").read_text())["step"]
+    assert_same_weights(run, ref)
+    assert resumed.summary["best"] == json.loads((ref / "summary.json").read_text())["best"]
 
 
 @pytest.mark.parametrize(
@@ -375,23 +381,36 @@ def test_incompatible_config_is_refused_listing_the_keys(reference, tmp_path):
 # --- bad conditions ----------------------------------------------------------------------------
 
 
-def test_full_disk_fails_clearly_and_keeps_earlier_checkpoints(tmp_path):
+@pytest.mark.parametrize(
+    ("options", "error", "failed_step", "left"),
+    [
+        # One checkpoint (~0.3 MB) fits, the second does not.
+        ("size=480k", "No space left on device", 14, ["latest.json", "step_0000007"]),
+        ("ro", "Read-only file system", 7, []),
+    ],
+    ids=["full", "read-only"],
+)
+def test_disk_errors_fail_clearly_and_keep_earlier_checkpoints(
+    tmp_path, options, error, failed_step, left
+):
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("needs root to mount a small tmpfs")
     run = tmp_path / "run"
     root = run / "checkpoints"
     root.mkdir(parents=True)
-    # One checkpoint (~0.3 MB) fits, a second does not.
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=480k", "tmpfs", str(root)])
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(root)])
     if mounted.returncode != 0:
         pytest.skip("cannot mount a tmpfs here")
     try:
-        full = run_train(run, *ARGS, "checkpoint.save_best.enabled=false", check=False)
-        assert full.proc.returncode == 1, full.output[-2000:]
-        assert f"could not write checkpoint step_0000014 in {root}: No space left" in full.output
-        assert "Traceback" not in full.output
-        assert sorted(p.name for p in root.iterdir()) == ["latest.json", "step_0000007"]
-        assert verify_checkpoint(root / "step_0000007") is None
+        failed = run_train(run, *ARGS, "checkpoint.save_best.enabled=false", check=False)
+        assert failed.proc.returncode == 1, failed.output[-2000:]
+        assert f"could not write checkpoint step_{failed_step:07d} in {root}: {error}" in (
+            failed.output
+        )
+        assert "Earlier checkpoints are intact" in failed.output
+        assert "Traceback" not in failed.output
+        assert sorted(p.name for p in root.iterdir()) == left  # no *.tmp left behind
+        assert all(verify_checkpoint(root / name) is None for name in left if "step" in name)
     finally:
         subprocess.run(["umount", str(root)], check=True)
 
