@@ -91,9 +91,16 @@ def train(cfg: DictConfig) -> float:
     book = MetricBook(cfg.trainer.monitor, cfg.trainer.monitor_mode)
     guard = LossGuard(cfg.trainer.on_nan, accelerator)  # NaN/inf loss: stop or skip
     ckpt = CheckpointManager(
-        cfg, run_dir, accelerator, model, optimizer, scheduler, train_loader,
-        stateful={"metrics": book}, guard=guard,
-    )  # fmt: skip
+        cfg,
+        run_dir,
+        accelerator,
+        model,
+        optimizer,
+        scheduler,
+        train_loader,
+        stateful={"metrics": book},  # saved in trainer_state.json
+        guard=guard,  # checked before every save: no checkpoint after a NaN
+    )
     start_at = ckpt.resume()  # step/epoch/batch 0 unless resuming; restores every state
     step, epoch = start_at.step, start_at.epoch
 
