@@ -101,7 +101,7 @@ def main() -> None:
             saved.append(manager.save(next(step), 0, 0, ["bench"]))
 
         def our_load() -> None:
-            manager._load(saved[-1])  # read, verify sha256s, parse, apply
+            manager.load(saved[-1])  # read, verify sha256s, parse, apply
 
         times: dict[str, list[float]] = {}
         for _ in range(args.repeats + 1):  # the first round warms up and is dropped

@@ -511,7 +511,7 @@ class CheckpointManager:
         problems = []
         for ckpt in reversed(candidates):  # newest first
             try:
-                position = self._load(ckpt)
+                position = self.load(ckpt)
             except ConfigMismatch:
                 raise
             except CheckpointError as err:
@@ -544,9 +544,13 @@ class CheckpointManager:
         root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         return committed_checkpoints(root)
 
-    def _load(self, ckpt: Path) -> Position:
-        """Verify and parse every file first; touch the live objects only after
-        everything has loaded, so a bad checkpoint changes nothing."""
+    def load(self, ckpt: Path) -> Position:
+        """Restore one checkpoint; return where training continues.
+
+        Every file is verified and parsed first and the config compared; the
+        live objects are touched only after that, so a bad checkpoint (raises
+        CheckpointError) changes nothing. ConfigMismatch: it belongs to another
+        kind of run, which no fallback can fix."""
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         manifest = read_manifest(ckpt)
         saved_world = int(manifest.get("world_size", 1))
