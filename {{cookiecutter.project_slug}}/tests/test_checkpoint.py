@@ -442,6 +442,37 @@ def test_nan_loss_stop_and_skip(tmp_path):
     assert all(torch.equal(final[k], good[k]) for k in good)  # no update after step 1
 
 
+def test_tied_weights_round_trip(tmp_path):
+    """safetensors refuses shared tensors; tied weights must still save and load."""
+    from accelerate import Accelerator
+    from omegaconf import OmegaConf
+
+    from {{ cookiecutter.package_name }}.checkpoint import CheckpointManager
+
+    def tied_model() -> torch.nn.Module:
+        model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+        model[1].weight = model[0].weight
+        return model
+
+    cfg = OmegaConf.create(
+        {"seed": 0, "checkpoint": {"enabled": True, "keep_last": 2, "save_on_signal": False}}
+    )
+    accelerator = Accelerator(cpu=True)
+
+    def manager(model: torch.nn.Module, run_dir: Path) -> CheckpointManager:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        return CheckpointManager(cfg, run_dir, accelerator, model, optimizer, scheduler, [None])
+
+    saved_model = tied_model()
+    saved = manager(saved_model, tmp_path / "a").save(3, 0, 1, ["test"])
+    assert verify_checkpoint(saved) is None
+    loaded_model = tied_model()
+    assert manager(loaded_model, tmp_path / "b").load(saved).step == 3
+    assert loaded_model[1].weight is loaded_model[0].weight  # still tied
+    assert torch.equal(loaded_model[0].weight, saved_model[0].weight)
+
+
 # --- command line ------------------------------------------------------------------------------
 
 

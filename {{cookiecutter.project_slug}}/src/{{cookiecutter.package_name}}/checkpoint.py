@@ -785,7 +785,7 @@ class CheckpointManager:
                     len(data),
                 )
 
-            tensors = {k: v.detach().contiguous().cpu() for k, v in model_state.items()}
+            tensors = _unshared(model_state)
             submit("model.safetensors", save_safetensors(tensors, metadata={"step": str(step)}))
             _pause_point("between_files", step)  # the model file written or in flight
             submit("optimizer.pt", _torch_bytes(self.optimizer.state_dict()))
@@ -833,6 +833,22 @@ class CheckpointManager:
 
 class ConfigMismatch(CheckpointError):
     """The checkpoint belongs to a run with an incompatible config (no fallback)."""
+
+
+def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU tensors for safetensors, which refuses tensors sharing memory (tied
+    weights, views of one buffer): those after the first are copied. Loading
+    assigns each name, so tied parameters come back tied to the same values."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in state.items():
+        tensor = tensor.detach().cpu().contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        if storage in seen:
+            tensor = tensor.clone()
+        seen.add(storage)
+        out[name] = tensor
+    return out
 
 
 def _torch_bytes(obj: Any) -> memoryview:
