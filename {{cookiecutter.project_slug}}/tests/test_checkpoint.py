@@ -195,9 +195,9 @@ def test_every_n_epochs_saves_at_epoch_ends_and_resumes_at_the_next_epoch(tmp_pa
         ["every_n_epochs"],
     )
     assert not (run / "checkpoints" / "best.json").exists()
-    # A longer run (trainer.max_steps may change) continues at the third epoch's start.
+    # A longer run (trainer.max_steps may change) continues with the third epoch.
     longer = run_train(run, "trainer.max_steps=60", *only_epochs)
-    assert f"resumed from {ckpt_dir(run, 46)}: step 46, epoch 3, batch 0 of 23" in longer.output
+    assert f"resumed from {ckpt_dir(run, 46)}: step 46, epoch 2, batch 23 of 23" in longer.output
     assert longer.summary["step"] == 60 and longer.summary["epoch"] == 3
 
 
@@ -226,19 +226,21 @@ def test_config_checks_name_key_value_and_allowed(compose_cfg, tmp_path):
     [
         (0, 12, ()),
         pytest.param(2, 52, (), marks=pytest.mark.slow),
+        pytest.param(0, 23, (), marks=pytest.mark.slow),  # at the end of epoch 1
         # 3 micro-batches per step: epoch 1 ends on a partial accumulation.
         pytest.param(0, 10, ("trainer.grad_accum_steps=3",), marks=pytest.mark.slow),
     ],
 )
 def test_interrupted_run_resumes_bit_exactly(reference, tmp_path, num_workers, killed_at, extra):
-    """SIGKILL mid-epoch right after a checkpoint, restart the same command: the
-    final weights equal the uninterrupted run's, tensor for tensor."""
+    """SIGKILL right after a checkpoint (mid-epoch, or at an epoch's end),
+    restart the same command: the final weights equal the uninterrupted run's,
+    tensor for tensor."""
     args = [*ARGS, f"data.num_workers={num_workers}", *extra]
     run = tmp_path / "run"
     # Save every step in the interrupted run (checkpoint.* may change on resume).
     kill_when_paused(run, "before_pointers", killed_at, *args, "checkpoint.every_n_steps=1")
     state = json.loads((ckpt_dir(run, killed_at) / "trainer_state.json").read_text())
-    assert 0 < state["batch"] < BATCHES_PER_EPOCH  # mid-epoch
+    assert 0 < state["batch"] < BATCHES_PER_EPOCH or killed_at == BATCHES_PER_EPOCH
     resumed = run_train(run, *args)
     assert f"resumed from {ckpt_dir(run, killed_at)}" in resumed.output
     assert resumed.summary["resumed_from"] == str(ckpt_dir(run, killed_at))

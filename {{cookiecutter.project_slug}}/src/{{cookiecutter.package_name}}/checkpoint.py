@@ -137,7 +137,7 @@ class TrainingInterrupted(RuntimeError):
 @dataclass
 class Position:
     """Where training continues: optimizer steps done, epoch, and micro-batches
-    of that epoch already trained (0 = start of the epoch)."""
+    of that epoch already trained (0: none yet; all of them: the epoch is done)."""
 
     step: int = 0
     epoch: int = 0
@@ -590,10 +590,9 @@ class CheckpointManager:
             raise ConfigMismatch(f"{ckpt}: the state does not fit this run: {err}") from err
         self.best = trainer.get("best_checkpoint")
         self._last_saved_step = int(trainer["step"])
-        position = Position(int(trainer["step"]), int(trainer["epoch"]), int(trainer["batch"]))
-        if position.batch >= self.batches_per_epoch:  # saved at the end of an epoch
-            position = Position(position.step, position.epoch + 1, 0)
-        return position
+        # At the end of an epoch, batch == batches_per_epoch: train.py skips
+        # the whole epoch (nothing left of it) and goes on with the next one.
+        return Position(int(trainer["step"]), int(trainer["epoch"]), int(trainer["batch"]))
 
     def _set_aside_newer_than(self, step: int) -> None:
         """Checkpoints newer than the one resumed from (corrupted, or from an
