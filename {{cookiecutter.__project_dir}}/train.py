@@ -3,6 +3,7 @@
     python train.py                                  # defaults from configs/train.yaml
     python train.py model=cnn optimizer.lr=3e-3      # override anything
     python train.py -m optimizer.lr=1e-3,1e-2 seed=1,2   # a sweep
+    python train.py run_name=exp1                    # rerun after a crash: resumes in runs/exp1
 
 Everything else (run directory, trackers, seeding, progress) lives in small
 modules under src/{{ cookiecutter.package_name }}/ that decide about ranks themselves.
@@ -17,13 +18,20 @@ from pathlib import Path
 import hydra
 import torch
 import torch.nn.functional as F
+from accelerate import skip_first_batches
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from {{ cookiecutter.package_name }}.accel import build_accelerator, weights_fingerprint
+from {{ cookiecutter.package_name }}.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    TrainingInterrupted,
+)
 from {{ cookiecutter.package_name }}.config_checks import ConfigError, check_config
 from {{ cookiecutter.package_name }}.launch import LaunchError, run, setup_rank_logging
 from {{ cookiecutter.package_name }}.metrics import MetricBook
+from {{ cookiecutter.package_name }}.nonfinite import LossGuard, NonFiniteLoss
 from {{ cookiecutter.package_name }}.progress import Progress
 from {{ cookiecutter.package_name }}.run_dir import (
     hydra_run_dir,
@@ -82,28 +90,50 @@ def train(cfg: DictConfig, run_dir: Path) -> float:
         f"({accelerator.distributed_type.value})"
     )
 
-    # --- the loop ----------------------------------------------------------------------
+    # --- checkpoints: resume where an earlier run of this run dir stopped -------------
     book = MetricBook(cfg.trainer.monitor, cfg.trainer.monitor_mode)
-    progress = Progress(total_steps)
+    guard = LossGuard(cfg.trainer.on_nan, accelerator)  # NaN/inf loss: stop or skip
+    ckpt = CheckpointManager(
+        cfg,
+        run_dir,
+        accelerator,
+        model,
+        optimizer,
+        scheduler,
+        train_loader,
+        stateful={"metrics": book},  # saved in trainer_state.json
+        guard=guard,  # checked before every save: no checkpoint after a NaN
+    )
+    start_at = ckpt.resume()  # step/epoch/batch 0 unless resuming; restores every state
+    step, epoch = start_at.step, start_at.epoch
+
+    # --- the loop ----------------------------------------------------------------------
+    progress = Progress(total_steps, initial_step=step)
     eval_every = cfg.trainer.eval_every_n_steps or steps_per_epoch
-    step, epoch = 0, 0
     loss_sum = torch.zeros((), device=accelerator.device)  # summed on device: no sync per step
     loss_count = 0
     grad_norm = torch.zeros(())
     start = time.perf_counter()
     model.train()
-    for epoch in range(max_epochs):
+    for epoch in range(start_at.epoch, max_epochs):
+        if step == total_steps or ckpt.stop_requested:
+            break
         train_loader.set_epoch(epoch)
-        for x, y in train_loader:
+        done = start_at.batch if epoch == start_at.epoch else 0  # batches a resumed run saw
+        batches = skip_first_batches(train_loader, done) if done else train_loader
+        for batch, (x, y) in enumerate(batches, start=done + 1):
             with accelerator.accumulate(model):
                 loss = F.cross_entropy(model(x), y)
                 accelerator.backward(loss)
-                if accelerator.sync_gradients and cfg.trainer.grad_clip_norm:
-                    grad_norm = accelerator.clip_grad_norm_(
-                        model.parameters(), cfg.trainer.grad_clip_norm
-                    )
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                guard.observe(loss)
+                if accelerator.sync_gradients:
+                    if cfg.trainer.grad_clip_norm:
+                        grad_norm = accelerator.clip_grad_norm_(
+                            model.parameters(), cfg.trainer.grad_clip_norm
+                        )
+                    if not guard.drop_update():  # on_nan=skip drops a non-finite update
+                        optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
             loss_sum += loss.detach()
             loss_count += 1
             if not accelerator.sync_gradients:
@@ -130,6 +160,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float:
                 book.update(metrics, step)
                 accelerator.log(metrics, step=step)
                 progress.report(step, metrics)
+                guard.check(step)  # on_nan=stop: raise, naming the first bad step
 
             if step % eval_every == 0 or step == total_steps:
                 metrics = evaluate(model, val_loader, accelerator)
@@ -137,9 +168,12 @@ def train(cfg: DictConfig, run_dir: Path) -> float:
                 accelerator.log(metrics, step=step)
                 progress.report(step, metrics)
 
-            if step == total_steps:
+            ckpt.maybe_save(step, epoch, batch)  # every N steps/epochs, new best, SIGTERM
+            if step == total_steps or ckpt.stop_requested:
                 break
     progress.close()
+    guard.check(step)
+    ckpt.finish()  # the last checkpoint; after SIGTERM/SIGUSR1: exit
 
     # --- summary and final weights -----------------------------------------------------
     wall = time.perf_counter() - start
@@ -148,16 +182,18 @@ def train(cfg: DictConfig, run_dir: Path) -> float:
         "epoch": epoch + 1,
         "world_size": accelerator.num_processes,
         "wall_time_s": round(wall, 3),
-        "steps_per_sec": round(step / wall, 3),
+        "steps_per_sec": round((step - start_at.step) / wall, 3),  # this process's steps
         "metrics": book.last,
         "best": book.best(),
+        "resumed_from": ckpt.resumed_from,  # null for a fresh start
+        "skipped_nan_steps": guard.skipped,
     }
     write_summary(run_dir, summary)
     log.info(f"final weights fingerprint {weights_fingerprint(accelerator.unwrap_model(model))}")
     accelerator.save_model(model, run_dir)  # final weights: model.safetensors
     log.info(
         f"done: {step} steps in {wall:.1f}s | "
-        + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+        + " | ".join(f"{k} {v:.4f}" for k, v in book.last.items() if k.startswith("val/"))
         + f" | best {book.monitor} {book.best_value:.4f} at step {book.best_step}"
         + f" | summary: {run_dir / 'summary.json'}"
     )
@@ -174,8 +210,11 @@ def main(cfg: DictConfig) -> float:
         run_dir = hydra_run_dir()
         save_resolved_config(cfg, run_dir)
         return run(train, cfg, run_dir)  # here, or in N spawned workers
-    except (ConfigError, LaunchError) as err:  # exit codes 2 and 1 (or a rank's own)
-        log.error(str(err))
+    except (ConfigError, LaunchError, CheckpointError, NonFiniteLoss) as err:
+        log.error(str(err))  # exit codes: 2 bad config, 1 failure, 3 NaN/inf loss
+        sys.exit(err.exit_code)
+    except TrainingInterrupted as err:  # SIGTERM: 143, SIGUSR1: 138; restart to resume
+        log.warning(str(err))
         sys.exit(err.exit_code)
 
 

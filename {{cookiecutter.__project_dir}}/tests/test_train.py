@@ -45,7 +45,10 @@ def test_smoke_run_writes_the_run_directory(train_run):
         "steps_per_sec",
         "metrics",
         "best",
+        "resumed_from",
+        "skipped_nan_steps",
     }
+    assert s["resumed_from"] is None and s["skipped_nan_steps"] == 0
     assert s["step"] == 30 and s["epoch"] == 2 and s["world_size"] == 1
     assert s["wall_time_s"] > 0 and s["steps_per_sec"] > 0
     assert {

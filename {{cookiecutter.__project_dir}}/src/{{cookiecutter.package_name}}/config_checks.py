@@ -7,6 +7,7 @@ and names the key, the value and what is allowed. Keys absent from a config
 """
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -60,6 +61,15 @@ def _seed(v: Any) -> bool:
     return _is_int(v) and 0 <= v < 2**32
 
 
+def _bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _resume(v: Any) -> bool:
+    # auto | never | an existing run dir, checkpoints/ dir or checkpoint dir
+    return v in ("auto", "never") or (isinstance(v, str) and v != "" and Path(v).is_dir())
+
+
 def _mixed_precision(v: Any) -> bool:
     # YAML reads an unquoted `no` as false; accept it as "no".
     return v is False or v in MIXED_PRECISION
@@ -86,6 +96,24 @@ RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("trainer.log_every_n_steps", _positive_int, "an integer >= 1"),
     ("trainer.eval_every_n_steps", _optional_positive_int, "an integer >= 1 or null (each epoch)"),
     ("trainer.monitor_mode", lambda v: v in ("min", "max"), "min or max"),
+    ("trainer.on_nan", lambda v: v in ("stop", "skip"), "stop or skip"),
+    ("checkpoint.enabled", _bool, "true or false"),
+    ("checkpoint.every_n_steps", _optional_positive_int, "an integer >= 1 or null"),
+    ("checkpoint.every_n_epochs", _optional_positive_int, "an integer >= 1 or null"),
+    (
+        "checkpoint.keep_last",
+        lambda v: _is_int(v) and v >= 2,
+        "an integer >= 2 (the newest checkpoint may be the one a crash interrupted)",
+    ),
+    ("checkpoint.save_best.enabled", _bool, "true or false"),
+    ("checkpoint.save_best.mode", lambda v: v in ("min", "max"), "min or max"),
+    ("checkpoint.save_last", _bool, "true or false"),
+    ("checkpoint.save_on_signal", _bool, "true or false"),
+    (
+        "checkpoint.resume",
+        _resume,
+        "auto, never, or an existing directory (a run dir, its checkpoints/, or one checkpoint)",
+    ),
 ]
 
 

@@ -11,6 +11,7 @@ class MetricBook:
         self.monitor = monitor
         self.mode = mode
         self.last: dict[str, float] = {}
+        self.last_step: dict[str, int] = {}  # the step each metric was last logged at
         self.best_value: float | None = None
         self.best_step: int | None = None
 
@@ -21,6 +22,7 @@ class MetricBook:
         logged is a configuration error, caught at the first evaluation.
         """
         self.last.update(values)
+        self.last_step.update(dict.fromkeys(values, step))
         if require_monitor and self.monitor not in self.last:
             raise ConfigError(
                 f"trainer.monitor={self.monitor!r} is not a logged metric; "
@@ -42,3 +44,18 @@ class MetricBook:
 
     def best(self) -> dict[str, Any]:
         return {"name": self.monitor, "value": self.best_value, "step": self.best_step}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain JSON-able state, saved in checkpoints."""
+        return {
+            "last": dict(self.last),
+            "last_step": dict(self.last_step),
+            "best_value": self.best_value,
+            "best_step": self.best_step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last = dict(state["last"])
+        self.last_step = {k: int(v) for k, v in state["last_step"].items()}
+        self.best_value = state["best_value"]
+        self.best_step = state["best_step"]

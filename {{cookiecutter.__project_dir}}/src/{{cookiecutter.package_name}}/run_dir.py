@@ -1,7 +1,9 @@
 """The run directory: Hydra's output dir, shared by every rank of a run.
 
 It holds Hydra's own ``.hydra/`` (unresolved), the resolved ``config.yaml`` and
-``config.json``, ``train.log``, ``metrics.csv`` and, at the end, ``summary.json``.
+``config.json``, ``train.log``, ``metrics.csv``, ``checkpoints/`` (see
+``checkpoint.py``) and, at the end, ``summary.json`` and ``model.safetensors``.
+A fixed ``run_name`` makes it stable, so rerunning a command resumes there.
 Only the main process writes here; the functions check that themselves.
 """
 

@@ -1,0 +1,89 @@
+"""Watch the training loss for NaN/inf (``trainer.on_nan``).
+
+- ``stop`` (default): the run stops with exit code 3 and a message naming the
+  first optimizer step whose loss was not finite. No checkpoint is written after
+  that step, so the newest checkpoint is the last good one. Detection costs no
+  host sync per step: a flag is kept on the device and read at log steps, before
+  every checkpoint save and at the end.
+- ``skip``: an optimizer step whose loss was not finite is dropped (its
+  gradients are zeroed, the optimizer does not step) and counted. Deciding to
+  drop needs the flag on the host, so this mode reads it once per optimizer step
+  (not per micro-batch), as a GradScaler does.
+
+The count of skipped steps is saved in checkpoints (``trainer_state.json``) and
+reported in ``summary.json`` as ``skipped_nan_steps``.
+"""
+
+import logging
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+ON_NAN = ("stop", "skip")
+EXIT_NONFINITE = 3
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss was NaN or infinite and ``trainer.on_nan=stop``."""
+
+    exit_code = EXIT_NONFINITE
+
+
+class LossGuard:
+    def __init__(self, on_nan: str, accelerator: Accelerator) -> None:
+        self.mode = on_nan
+        self.accelerator = accelerator
+        self.skipped = 0
+        device = accelerator.device
+        self._step_ok = torch.ones((), dtype=torch.bool, device=device)  # this step so far
+        self._all_ok = torch.ones((), dtype=torch.bool, device=device)  # since the last check
+        self._ok_steps = torch.zeros((), dtype=torch.int64, device=device)
+        self._checked_step = 0
+
+    def observe(self, loss: torch.Tensor) -> None:
+        """Every micro-batch; stays on the device."""
+        self._step_ok &= torch.isfinite(loss.detach()).all()
+
+    def drop_update(self) -> bool:
+        """At each optimizer step: True when this update must be dropped (skip mode)."""
+        ok, self._step_ok = self._step_ok, torch.ones_like(self._step_ok)
+        if self.accelerator.num_processes > 1:
+            # Every rank must take the same decision.
+            ok = (
+                self.accelerator.reduce(ok.to(torch.int32), "sum") == self.accelerator.num_processes
+            )
+        if self.mode == "skip":
+            if not bool(ok):  # one host sync per optimizer step
+                self.skipped += 1
+                if self.skipped <= 10 or self.skipped % 100 == 0:
+                    log.warning(
+                        f"loss not finite: update dropped (trainer.on_nan=skip), "
+                        f"{self.skipped} dropped so far"
+                    )
+                return True
+            return False
+        self._all_ok &= ok
+        self._ok_steps += self._all_ok  # good steps before the first bad one
+        return False
+
+    def check(self, step: int) -> None:
+        """Raise NonFiniteLoss naming the first bad step (stop mode); one host sync."""
+        if self.mode == "stop" and not bool(self._all_ok):
+            bad = self._checked_step + int(self._ok_steps) + 1
+            raise NonFiniteLoss(
+                f"the training loss was not finite (NaN/inf) at step {bad}; stopping "
+                "(trainer.on_nan=stop). The newest checkpoint is from before that step. "
+                "Lower optimizer.lr, enable trainer.grad_clip_norm, or set trainer.on_nan=skip."
+            )
+        self._checked_step = step
+        self._ok_steps.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped_nan_steps": self.skipped, "checked_step": self._checked_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.skipped = int(state["skipped_nan_steps"])
+        self._checked_step = int(state["checked_step"])
