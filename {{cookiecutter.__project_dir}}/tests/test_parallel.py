@@ -257,3 +257,43 @@ def test_deepspeed_zero2_trains_the_same_weights_as_ddp(tmp_path):
     assert "world size 2 (DEEPSPEED)" in (ds / "train.log").read_text()
     assert fingerprints(ds) == fingerprints(ddp)
     assert train_losses(ds) == train_losses(ddp)
+
+
+def wait_for(path: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_resume_after_the_launcher_is_killed_or_stopped_is_bit_exact(tmp_path, mode):
+    """SIGKILL of the launcher: resume from the last periodic checkpoint.
+    SIGTERM: every rank saves at the next step boundary, exit 143, resume.
+    Both end with the weights of the uninterrupted run."""
+    args = [f"parallel={mode}", "model._target_=tests.faults.Slow", "trainer.max_steps=60"]
+    args += ["checkpoint.every_n_steps=10", "trainer.log_every_n_steps=10"]
+    if mode == "fsdp":
+        args.append("parallel.auto_wrap_min_params=1000")
+    straight = tmp_path / "straight"
+    ok(run(tmp_path, *args, f"hydra.run.dir={straight}"))
+    expected = fingerprints(straight)["train.log"]
+
+    for sig, code in ((signal.SIGKILL, -9), (signal.SIGTERM, 143)):
+        run_dir = tmp_path / sig.name
+        launcher = subprocess.Popen(
+            command(*args, f"hydra.run.dir={run_dir}"),
+            cwd=tmp_path,
+            env=ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for(run_dir / "checkpoints" / "step_0000020")
+        launcher.send_signal(sig)
+        assert launcher.wait(timeout=120) == code
+        saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+        assert saved and not any(p.endswith(".tmp") for p in saved)
+        ok(run(tmp_path, *args, f"hydra.run.dir={run_dir}"))  # the same command again
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["resumed_from"] and summary["step"] == 60
+        assert fingerprints(run_dir) == {"train.log": expected, "train_rank1.log": expected}

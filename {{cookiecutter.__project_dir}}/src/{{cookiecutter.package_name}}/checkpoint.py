@@ -520,6 +520,7 @@ class CheckpointManager:
                 continue
             self.resumed_from = str(ckpt)
             self._position = position
+            self.accelerator.wait_for_everyone()  # every rank chose before anything moves
             if self.accelerator.is_main_process:
                 self._set_aside_newer_than(position.step)
             log.info(
@@ -574,8 +575,7 @@ class CheckpointManager:
             )
         trainer = loaded["trainer_state.json"]
         try:
-            self.accelerator.unwrap_model(self.model).load_state_dict(loaded["model.safetensors"])
-            self.optimizer.load_state_dict(loaded["optimizer.pt"])
+            self._load_model_and_optimizer(loaded["model.safetensors"], loaded["optimizer.pt"])
             self.scheduler.load_state_dict(loaded["scheduler.pt"])
             scaler = getattr(self.accelerator, "scaler", None)
             if scaler is not None and "scaler.pt" in loaded:
@@ -593,6 +593,38 @@ class CheckpointManager:
         # At the end of an epoch, batch == batches_per_epoch: train.py skips
         # the whole epoch (nothing left of it) and goes on with the next one.
         return Position(int(trainer["step"]), int(trainer["epoch"]), int(trainer["batch"]))
+
+    # Under FSDP a checkpoint holds the full (gathered) model and optimizer state,
+    # not DCP shards: DCP's metadata file is a pickle, which safe loading refuses
+    # to unpickle. Full state also loads into any world size and exports as is.
+    def _optimizer_state(self) -> dict[str, Any]:
+        """The optimizer state as plain tensors; a collective under FSDP."""
+        if not self.accelerator.is_fsdp2:
+            return self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(self.model, self.optimizer.optimizer, options=options)
+
+    def _load_model_and_optimizer(self, model_state: dict, optimizer_state: dict) -> None:
+        if not self.accelerator.is_fsdp2:
+            self.accelerator.unwrap_model(self.model).load_state_dict(model_state)
+            self.optimizer.load_state_dict(optimizer_state)
+            return
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True)  # every rank shards its copy
+        set_model_state_dict(self.model, model_state, options=options)
+        set_optimizer_state_dict(
+            self.model, self.optimizer.optimizer, optimizer_state, options=options
+        )
 
     def _set_aside_newer_than(self, step: int) -> None:
         """Checkpoints newer than the one resumed from (corrupted, or from an
@@ -677,6 +709,7 @@ class CheckpointManager:
         best = new_best or self.best
         # Everything every rank must compute (collectives under FSDP/DeepSpeed).
         model_state = acc.get_state_dict(self.model)
+        optimizer_state = self._optimizer_state()
         failed: OSError | None = None
         try:
             if acc.is_main_process:
@@ -692,7 +725,9 @@ class CheckpointManager:
             if failed is None:
                 _write_file(tmp / f"rng_rank{acc.process_index}.pt", _torch_bytes(rng_state()))
                 if acc.is_main_process:
-                    files = self._write_main_files(tmp, step, epoch, batch, model_state, best)
+                    files = self._write_main_files(
+                        tmp, step, epoch, batch, model_state, optimizer_state, best
+                    )
         except OSError as err:
             failed = err
         acc.wait_for_everyone()
@@ -758,6 +793,7 @@ class CheckpointManager:
         epoch: int,
         batch: int,
         model_state: dict[str, torch.Tensor],
+        optimizer_state: dict[str, Any],
         best: dict[str, Any] | None,
     ) -> dict[str, dict[str, Any]]:
         """Serialize in memory, then write + fsync and hash each file in threads
@@ -787,7 +823,7 @@ class CheckpointManager:
             tensors = _unshared(model_state)
             submit("model.safetensors", save_safetensors(tensors, metadata={"step": str(step)}))
             _pause_point("between_files", step)  # the model file written or in flight
-            submit("optimizer.pt", _torch_bytes(self.optimizer.state_dict()))
+            submit("optimizer.pt", _torch_bytes(optimizer_state))
             submit("scheduler.pt", _torch_bytes(self.scheduler.state_dict()))
             scaler = getattr(self.accelerator, "scaler", None)
             if scaler is not None:

@@ -123,7 +123,13 @@ def _spawn(fn: Callable[[DictConfig, Path], Any], cfg: DictConfig, run_dir: Path
             details = trace if code == 1 and trace else details.get("message")
         raise LaunchError(f"rank {rank} failed (exit code {code}): {details}", code) from None
     except SignalException as err:
-        raise LaunchError(f"stopped by {err.sigval.name}; workers were told to stop") from None
+        # The agent passed the signal on to the workers and waited for them: with
+        # checkpoint.save_on_signal they saved at a step boundary before exiting.
+        raise LaunchError(
+            f"stopped by {err.sigval.name}: the workers were told to stop; restart the same "
+            "command to resume",
+            128 + err.sigval,
+        ) from None
     return results[min(results)]
 
 
