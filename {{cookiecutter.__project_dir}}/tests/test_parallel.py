@@ -251,8 +251,8 @@ HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 def test_deepspeed_zero2_trains_the_same_weights_as_ddp(tmp_path):
     common = [*FAST, "model.dropout=0.0"]
     ds, ddp = tmp_path / "deepspeed", tmp_path / "ddp"
-    ok(run(tmp_path, f"hydra.run.dir={ds}", "parallel=deepspeed", *common))
-    ok(run(tmp_path, f"hydra.run.dir={ddp}", "parallel=ddp", *common))
+    ok(run(tmp_path, f"hydra.run.dir={ds}", "parallel=deepspeed", "checkpoint=none", *common))
+    ok(run(tmp_path, f"hydra.run.dir={ddp}", "parallel=ddp", "checkpoint=none", *common))
     assert_two_rank_run(ds)
     assert "world size 2 (DEEPSPEED)" in (ds / "train.log").read_text()
     assert fingerprints(ds) == fingerprints(ddp)

@@ -159,9 +159,16 @@ def test_bad_input_fails_before_training_with_a_clear_message(train_run, overrid
     importlib.util.find_spec("deepspeed") is not None, reason="DeepSpeed is installed here"
 )
 def test_deepspeed_without_the_package_says_how_to_install_it(train_run):
-    run = train_run(*FAST, "parallel=deepspeed", check=False)
+    run = train_run(*FAST, "parallel=deepspeed", "checkpoint=none", check=False)
     assert run.proc.returncode == 2
     assert "pip install -e '.[deepspeed]'" in run.output
+
+
+def test_deepspeed_with_checkpoints_is_refused_before_any_work(train_run):
+    run = train_run(*FAST, "parallel=deepspeed", check=False)
+    assert run.proc.returncode == 2
+    assert "parallel=deepspeed with checkpoint.enabled=true is not supported" in run.output
+    assert not (run.run_dir / "checkpoints").exists()
 
 
 @pytest.mark.slow

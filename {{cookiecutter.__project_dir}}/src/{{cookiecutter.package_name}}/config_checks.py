@@ -127,5 +127,13 @@ def check_config(cfg: DictConfig) -> None:
     trainer = cfg.trainer
     if trainer.max_epochs is None and trainer.max_steps is None:
         problems.append("trainer.max_epochs and trainer.max_steps are both null: set at least one")
+    if cfg.parallel.mode == "deepspeed" and cfg.checkpoint.get("enabled", False):
+        # DeepSpeed's optimizer state holds Python objects (enums, loss-scaler
+        # state) that torch.load(weights_only=True) refuses: no safe resume.
+        problems.append(
+            "parallel=deepspeed with checkpoint.enabled=true is not supported: DeepSpeed's "
+            "optimizer state cannot be loaded safely (weights_only). Use checkpoint=none "
+            "with deepspeed, or parallel=fsdp for sharded training with checkpoints"
+        )
     if problems:
         raise ConfigError("Invalid configuration:\n  " + "\n  ".join(problems))
