@@ -44,6 +44,12 @@ def run(cwd: Path, *overrides: str, launcher: list[str] = PYTHON) -> subprocess.
     )
 
 
+def start(cwd: Path, *overrides: str) -> subprocess.Popen:
+    """train.py in the background (output discarded), to be signalled."""
+    out = subprocess.DEVNULL
+    return subprocess.Popen(command(*overrides), cwd=cwd, env=ENV, stdout=out, stderr=out)
+
+
 def ok(proc: subprocess.CompletedProcess) -> str:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
@@ -178,13 +184,7 @@ def alive(pid: int) -> bool:
 def test_no_worker_outlives_its_launcher(tmp_path, sig):
     run_dir = tmp_path / "run"
     args = ["parallel=ddp", "model._target_=tests.faults.Slow", "trainer.max_steps=100000"]
-    launcher = subprocess.Popen(
-        command(*args, f"hydra.run.dir={run_dir}"),
-        cwd=tmp_path,
-        env=ENV,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    launcher = start(tmp_path, *args, f"hydra.run.dir={run_dir}")
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # until both ranks are training
@@ -281,13 +281,7 @@ def test_resume_after_the_launcher_is_killed_or_stopped_is_bit_exact(tmp_path, m
 
     for sig, code in ((signal.SIGKILL, -9), (signal.SIGTERM, 143)):
         run_dir = tmp_path / sig.name
-        launcher = subprocess.Popen(
-            command(*args, f"hydra.run.dir={run_dir}"),
-            cwd=tmp_path,
-            env=ENV,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        launcher = start(tmp_path, *args, f"hydra.run.dir={run_dir}")
         wait_for(run_dir / "checkpoints" / "step_0000020")
         launcher.send_signal(sig)
         assert launcher.wait(timeout=120) == code
