@@ -269,7 +269,8 @@ def wait_for(path: Path, timeout: float = 120) -> None:
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_resume_after_the_launcher_is_killed_or_stopped_is_bit_exact(tmp_path, mode):
     """SIGKILL of the launcher: resume from the last periodic checkpoint.
-    SIGTERM: every rank saves at the next step boundary, exit 143, resume.
+    SIGTERM (and Ctrl-C): every rank saves at the next step boundary, exits
+    143 (130), resume.
     Both end with the weights of the uninterrupted run."""
     args = [f"parallel={mode}", "model._target_=tests.faults.Slow", "trainer.max_steps=60"]
     args += ["checkpoint.every_n_steps=10", "trainer.log_every_n_steps=10"]
@@ -279,7 +280,10 @@ def test_resume_after_the_launcher_is_killed_or_stopped_is_bit_exact(tmp_path, m
     ok(run(tmp_path, *args, f"hydra.run.dir={straight}"))
     expected = fingerprints(straight)["train.log"]
 
-    for sig, code in ((signal.SIGKILL, -9), (signal.SIGTERM, 143)):
+    stops = [(signal.SIGKILL, -9), (signal.SIGTERM, 143)]
+    if mode == "ddp":
+        stops.append((signal.SIGINT, 130))  # Ctrl-C: saved like SIGTERM
+    for sig, code in stops:
         run_dir = tmp_path / sig.name
         launcher = start(tmp_path, *args, f"hydra.run.dir={run_dir}")
         wait_for(run_dir / "checkpoints" / "step_0000020")

@@ -37,12 +37,14 @@ checkpoint. Nothing is unpickled beyond tensors and plain containers
 (``weights_only=True``), so a file holding a pickle that would run code is
 refused even when its manifest hash matches.
 
-Signals (``checkpoint.save_on_signal``): SIGTERM and SIGUSR1 set a flag; at the
-next optimizer-step boundary the run saves a checkpoint and exits with
-``128 + signal number``: **143** after SIGTERM, **138** after SIGUSR1 (the codes
-a shell reports for a process killed by that signal, so schedulers treat the
-job as interrupted; the checkpoint is complete and restarting the same command
-resumes). A second signal during the save does not interrupt it.
+Signals (``checkpoint.save_on_signal``): SIGTERM, SIGUSR1 and Ctrl-C (SIGINT) set
+a flag; at the next optimizer-step boundary the run saves a checkpoint and exits
+with ``128 + signal number``: **143** after SIGTERM, **138** after SIGUSR1, **130**
+after Ctrl-C (the codes a shell reports for a process killed by that signal, so
+schedulers treat the job as interrupted; the checkpoint is complete and
+restarting the same command resumes). Further SIGTERM/SIGUSR1 do not interrupt
+the save; a second Ctrl-C stops at once (a save in flight is left as ``*.tmp``,
+which the atomic protocol ignores).
 
 Command line::
 
@@ -92,7 +94,7 @@ REQUIRED_FILES = (
     "trainer_state.json",
     "config.json",
 )
-EXIT_SIGNAL = {signal.SIGTERM: 143, signal.SIGUSR1: 138}
+EXIT_SIGNAL = {signal.SIGTERM: 143, signal.SIGUSR1: 138, signal.SIGINT: 130}
 # Config keys that may differ between a checkpoint and the run resuming it: run
 # length, cadence of logs/evals/checkpoints, trackers, loader workers (the data
 # order does not depend on them). Any other difference (model, data, optimizer,
@@ -447,6 +449,8 @@ class CheckpointManager:
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self._signal is None:
             self._signal = signum  # acted on at the next step boundary
+        elif signum == signal.SIGINT:  # a second Ctrl-C: stop now, without saving
+            signal.default_int_handler(signum, frame)
 
     def _restore_signal_handlers(self) -> None:
         for signum, handler in self._old_handlers.items():
@@ -455,7 +459,7 @@ class CheckpointManager:
 
     @property
     def stop_requested(self) -> bool:
-        """True once SIGTERM/SIGUSR1 arrived (on any rank)."""
+        """True once SIGTERM/SIGUSR1/SIGINT arrived (on any rank)."""
         if self.accelerator.num_processes == 1:
             return self._signal is not None
         flag = torch.tensor(
