@@ -42,11 +42,19 @@ stop_pids() {
     done
 }
 
-# Job step daemons (slurmstepd) that our slurmd started carry our SLURM_CONF in their environment.
-our_stepds() {
-    local p
-    for p in $(pgrep -x slurmstepd 2>/dev/null); do
-        tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "SLURM_CONF=$SLURM_CONF" && echo "$p"
+# Job processes of this cluster: slurmstepd (started by our slurmd, whose environment has our SLURM_CONF)
+# and the job's own processes (SLURM_JOB_ID and our SLURM_CONF). Never this script or its callers.
+job_pids() {
+    local p self=" $$ " a=$$ env
+    while [[ $a -gt 1 ]]; do a=$(awk '{ print $4 }' "/proc/$a/stat" 2>/dev/null) || break; self+="$a "; done
+    for p in /proc/[0-9]*; do
+        p=${p#/proc/}
+        [[ $self == *" $p "* ]] && continue
+        env=$(tr '\0' '\n' 2>/dev/null <"/proc/$p/environ") || continue
+        grep -qx "SLURM_CONF=$SLURM_CONF" <<<"$env" || continue
+        if [[ $(cat "/proc/$p/comm" 2>/dev/null) == slurmstepd ]] || grep -q '^SLURM_JOB_ID=' <<<"$env"; then
+            echo "$p"
+        fi
     done
 }
 
@@ -61,16 +69,24 @@ if ctld=$(pid_of "$RUN/slurmctld.pid" slurmctld) && command -v squeue >/dev/null
     fi
 fi
 
-# 2. Daemons in reverse start order.
-for entry in slurmd:slurmd slurmctld:slurmctld slurmdbd:slurmdbd mariadb:mariadbd munged:munged; do
-    file=${entry%%:*}; name=${entry#*:}
-    if pid=$(pid_of "$RUN/$file.pid" "$name"); then
-        stop_pids "$name" "$pid"
+# 2. Job processes the cancel did not end (slurmstepd ignores SIGTERM), e.g. when slurmctld was already gone.
+mapfile -t left < <(job_pids)
+WAIT=3 stop_pids "job processes" "${left[@]}"
+
+# 3. Daemons in reverse start order; those in one group are stopped together.
+for group in "slurmd:slurmd slurmctld:slurmctld" "slurmdbd:slurmdbd" "mariadb:mariadbd munged:munged"; do
+    pids=(); names=()
+    for entry in $group; do
+        file=${entry%%:*}; name=${entry#*:}
+        if pid=$(pid_of "$RUN/$file.pid" "$name"); then pids+=("$pid"); names+=("$name"); fi
+    done
+    if (( ${#pids[@]} )); then
+        t=$(date +%s.%N)
+        stop_pids "${names[*]}" "${pids[@]}"
+        log "${names[*]} gone after $(awk -v a="$t" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s"
     fi
-    if [[ $name == slurmd ]]; then
-        mapfile -t stepds < <(our_stepds)
-        stop_pids slurmstepd "${stepds[@]}"
-    fi
-    rm -f "$RUN/$file.pid"
+    for entry in $group; do rm -f "$RUN/${entry%%:*}.pid"; done
 done
+mapfile -t left < <(job_pids)
+WAIT=3 stop_pids "job processes" "${left[@]}"
 log "SLURM test cluster stopped (state kept under $ROOT; delete it for a clean start)"
