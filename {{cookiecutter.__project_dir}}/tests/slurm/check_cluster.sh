@@ -10,7 +10,7 @@
 # Exit status: number of failed checks.
 set -uo pipefail
 
-ROOT=${SLURM_TEST_ROOT:-/tmp/slurm-test}
+ROOT=$(realpath -m "${SLURM_TEST_ROOT:-/tmp/slurm-test}")
 # shellcheck disable=SC1091
 source "$ROOT/env.sh" || { echo "no $ROOT/env.sh: run start_cluster.sh first" >&2; exit 1; }
 PYTHON=${PYTHON:-python3}

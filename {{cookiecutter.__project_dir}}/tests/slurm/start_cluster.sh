@@ -10,7 +10,7 @@
 set -euo pipefail
 
 T0=$(date +%s.%N)
-ROOT=${SLURM_TEST_ROOT:-/tmp/slurm-test}
+ROOT=$(realpath -m "${SLURM_TEST_ROOT:-/tmp/slurm-test}")
 CLUSTER=${SLURM_TEST_CLUSTER:-testcluster}
 CTLD_PORT=${SLURM_TEST_CTLD_PORT:-6817}
 SLURMD_PORT=${SLURM_TEST_SLURMD_PORT:-6818}
@@ -51,6 +51,18 @@ wait_for() {
     local deadline=$(( $(date +%s) + $1 )); shift
     until "$@" >/dev/null 2>&1; do
         (( $(date +%s) < deadline )) || return 1
+        sleep 0.5
+    done
+}
+
+# wait_up PIDFILE NAME CMD...: like wait_for $WAIT CMD, but give up early once the daemon has died
+wait_up() {
+    local pidfile=$1 name=$2 start=$(date +%s); shift 2
+    until "$@" >/dev/null 2>&1; do
+        (( $(date +%s) < start + WAIT )) || return 1
+        if (( $(date +%s) > start + 2 )) && ! alive "$pidfile" "$name"; then
+            echo "[start_cluster] $name is not running" >&2; return 1
+        fi
         sleep 0.5
     done
 }
@@ -183,7 +195,7 @@ if ! alive "$RUN/munged.pid" munged; then
         --seed-file="$MUNGE_DIR/munged.seed" >>"$LOG/munged.log" 2>&1 \
         || fail "munged did not start" "$LOG/munged.log"
 fi
-wait_for "$WAIT" bash -c "munge -n -S '$MUNGE_SOCK' | unmunge -S '$MUNGE_SOCK'" \
+wait_up "$RUN/munged.pid" munged bash -c "munge -n -S '$MUNGE_SOCK' | unmunge -S '$MUNGE_SOCK'" \
     || fail "munge does not answer on $MUNGE_SOCK" "$LOG/munged.log"
 
 # ---------------------------------------------------------------- MariaDB
@@ -204,7 +216,7 @@ if ! alive "$RUN/mariadb.pid" mariadbd; then
         --innodb-lock-wait-timeout=900 --skip-name-resolve </dev/null >>"$LOG/mariadb.log" 2>&1 &
     echo $! >"$RUN/mariadb.pid"
 fi
-wait_for "$WAIT" db_admin -e 'SELECT 1' || fail "MariaDB does not answer on $DB_SOCK" "$LOG/mariadb.log"
+wait_up "$RUN/mariadb.pid" mariadbd db_admin -e 'SELECT 1' || fail "MariaDB does not answer on $DB_SOCK" "$LOG/mariadb.log"
 db_admin -e "CREATE DATABASE IF NOT EXISTS slurm_acct_db;
   CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurmtest';
   CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY 'slurmtest';
@@ -217,7 +229,7 @@ if ! alive "$RUN/slurmdbd.pid" slurmdbd; then
     log "starting slurmdbd"
     slurmdbd >>"$LOG/slurmdbd.out" 2>&1 || fail "slurmdbd did not start" "$LOG/slurmdbd.log" "$LOG/slurmdbd.out"
 fi
-wait_for "$WAIT" sacctmgr -n show cluster || fail "slurmdbd does not answer (sacctmgr)" "$LOG/slurmdbd.log"
+wait_up "$RUN/slurmdbd.pid" slurmdbd sacctmgr -n show cluster || fail "slurmdbd does not answer (sacctmgr)" "$LOG/slurmdbd.log"
 if ! sacctmgr -n -P show cluster format=cluster | grep -qx "$CLUSTER"; then
     sacctmgr -i add cluster "$CLUSTER" >/dev/null || fail "sacctmgr add cluster failed" "$LOG/slurmdbd.log"
 fi
@@ -228,7 +240,7 @@ if ! alive "$RUN/slurmctld.pid" slurmctld; then
     slurmctld -f "$SLURM_CONF" >>"$LOG/slurmctld.out" 2>&1 \
         || fail "slurmctld did not start" "$LOG/slurmctld.log" "$LOG/slurmctld.out"
 fi
-wait_for "$WAIT" scontrol ping || fail "slurmctld does not answer (scontrol ping)" "$LOG/slurmctld.log"
+wait_up "$RUN/slurmctld.pid" slurmctld scontrol ping || fail "slurmctld does not answer (scontrol ping)" "$LOG/slurmctld.log"
 
 if ! alive "$RUN/slurmd.pid" slurmd; then
     log "starting slurmd"
@@ -242,6 +254,9 @@ until node_usable; do
     state=$(node_state)
     if [[ $state =~ ^(down|drain) ]]; then   # left over from an unclean stop
         scontrol update NodeName="$node" State=RESUME >/dev/null 2>&1 || true
+    fi
+    if (( $(date +%s) > deadline - WAIT + 2 )) && ! alive "$RUN/slurmd.pid" slurmd; then
+        fail "slurmd is not running" "$LOG/slurmd.log" "$LOG/slurmd.out"
     fi
     (( $(date +%s) < deadline )) || fail "node $node is '$state', not idle" "$LOG/slurmd.log" "$LOG/slurmctld.log"
     sleep 0.5

@@ -4,7 +4,7 @@
 # Safe to run when nothing (or only part of the cluster) is running.
 set -uo pipefail
 
-ROOT=${SLURM_TEST_ROOT:-/tmp/slurm-test}
+ROOT=$(realpath -m "${SLURM_TEST_ROOT:-/tmp/slurm-test}")
 RUN=$ROOT/run
 export SLURM_CONF=$ROOT/etc/slurm.conf
 WAIT=${SLURM_TEST_STOP_WAIT:-30}
