@@ -112,6 +112,10 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "tests/test_checkpoint.py",
         "tests/test_configs.py",
         "tests/test_train.py",
+        "tests/slurm/README.md",
+        "tests/slurm/check_cluster.sh",
+        "tests/slurm/start_cluster.sh",
+        "tests/slurm/stop_cluster.sh",
         "tests/test_parallel.py",
     }
     if ctx["license"] != "Proprietary":
