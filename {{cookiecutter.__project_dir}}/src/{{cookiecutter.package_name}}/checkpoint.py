@@ -432,6 +432,8 @@ class CheckpointManager:
         self._old_handlers: dict[int, Any] = {}
         self._pending_best: dict[str, Any] | None = None
         self._position = Position()  # of the last step boundary seen
+        self._stop_checked_at: int | None = None  # step of the last stop all-reduce
+        self._stop_seen = False
         if self.enabled:
             if accelerator.is_main_process:
                 self._remove_stale_tmp()
@@ -462,13 +464,18 @@ class CheckpointManager:
         """True once SIGTERM/SIGUSR1/SIGINT arrived (on any rank)."""
         if self.accelerator.num_processes == 1:
             return self._signal is not None
-        flag = torch.tensor(
-            [0 if self._signal is None else self._signal], device=self.accelerator.device
-        )
-        flag = self.accelerator.reduce(flag, "max")  # a signal may reach one rank only
-        if int(flag) and self._signal is None:
-            self._signal = int(flag)
-        return bool(int(flag))
+        # One all-reduce per step boundary, however often the loop asks: every
+        # rank asks in the same order, so the cache keeps the collectives matched.
+        step = self._position.step
+        if self._stop_checked_at != step:
+            flag = torch.tensor(
+                [0 if self._signal is None else self._signal], device=self.accelerator.device
+            )
+            flag = self.accelerator.reduce(flag, "max")  # a signal may reach one rank only
+            if int(flag) and self._signal is None:
+                self._signal = int(flag)
+            self._stop_checked_at, self._stop_seen = step, bool(int(flag))
+        return self._stop_seen
 
     # --- resume ----------------------------------------------------------------------
 
