@@ -81,6 +81,8 @@ import torch
 from safetensors.torch import load_file as load_safetensors_file
 from safetensors.torch import save as save_safetensors
 
+from .run_dir import write_json_atomic
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST.json"
@@ -162,12 +164,6 @@ def _write_file(path: Path, data: bytes | memoryview) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    _write_file(tmp, (json.dumps(data, indent=2) + "\n").encode())
-    os.replace(tmp, path)
 
 
 def _sha256(data: bytes | memoryview) -> str:
@@ -774,9 +770,9 @@ class CheckpointManager:
                 _fsync_dir(self.dir)
                 _pause_point("before_pointers", step)
                 pointer = {"step": step, "path": name}
-                _write_json_atomic(self.dir / "latest.json", pointer)
+                write_json_atomic(self.dir / "latest.json", pointer)
                 if new_best is not None:
-                    _write_json_atomic(self.dir / "best.json", {**pointer, **new_best})
+                    write_json_atomic(self.dir / "best.json", {**pointer, **new_best})
                 _fsync_dir(self.dir)
         except OSError as err:
             failed = err
