@@ -14,6 +14,8 @@ SLUG = json.loads(r'''{{ cookiecutter.project_slug | tojson }}''')
 NOT_CHOSEN = {
     "LICENSE": LICENSE == "Proprietary",
     "configs/hydra/launcher/slurm.yaml": INCLUDE_SLURM != "yes",
+    "tests/test_slurm.py": INCLUDE_SLURM != "yes",
+    "tests/slurm": INCLUDE_SLURM != "yes",
 }
 
 

@@ -112,16 +112,19 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "tests/test_checkpoint.py",
         "tests/test_configs.py",
         "tests/test_train.py",
-        "tests/slurm/README.md",
-        "tests/slurm/check_cluster.sh",
-        "tests/slurm/start_cluster.sh",
-        "tests/slurm/stop_cluster.sh",
         "tests/test_parallel.py",
     }
     if ctx["license"] != "Proprietary":
         files.add("LICENSE")
     if ctx["include_slurm"] == "yes":
-        files.add("configs/hydra/launcher/slurm.yaml")
+        files |= {
+            "configs/hydra/launcher/slurm.yaml",
+            "tests/test_slurm.py",
+            "tests/slurm/README.md",
+            "tests/slurm/check_cluster.sh",
+            "tests/slurm/start_cluster.sh",
+            "tests/slurm/stop_cluster.sh",
+        }
     return files
 
 

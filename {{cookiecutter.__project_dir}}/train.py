@@ -173,7 +173,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float:
                 break
     progress.close()
     guard.check(step)
-    ckpt.finish()  # the last checkpoint; after SIGTERM/SIGUSR1: exit
+    ckpt.finish()  # the last checkpoint; after a stop signal: exit (SLURM: requeue)
 
     # --- summary and final weights -----------------------------------------------------
     wall = time.perf_counter() - start
@@ -213,7 +213,7 @@ def main(cfg: DictConfig) -> float:
     except (ConfigError, LaunchError, CheckpointError, NonFiniteLoss) as err:
         log.error(str(err))  # exit codes: 2 bad config, 1 failure, 3 NaN/inf loss
         sys.exit(err.exit_code)
-    except TrainingInterrupted as err:  # SIGTERM: 143, SIGUSR1: 138; restart to resume
+    except TrainingInterrupted as err:  # SIGTERM 143, SIGUSR1 138, SIGUSR2 140: restart to resume
         log.warning(str(err))
         sys.exit(err.exit_code)
 

@@ -1,8 +1,11 @@
 """Shared helpers: run the real train.py in a subprocess, compose real configs."""
 
 import json
+import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,27 @@ FAST = [
     "trainer.eval_every_n_steps=10",
     "tracker=csv",
 ]
+# For train.py subprocesses: the tests' own modules (tests.faults) must be
+# importable in every worker they start.
+PATHS = [str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in PATHS if p)}
+
+
+def fingerprints(run_dir: Path) -> dict[str, str]:
+    """The final weights fingerprint each rank logged, by log file."""
+    found = {}
+    for log in sorted(run_dir.glob("train*.log")):
+        match = re.search(r"final weights fingerprint (\w+)", log.read_text())
+        if match:
+            found[log.name] = match.group(1)
+    return found
+
+
+def wait_for(path: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.1)
 
 
 class TrainRun:

@@ -4,8 +4,6 @@ launch, multirun, two nodes, failures, no orphans."""
 import csv
 import importlib.util
 import json
-import os
-import re
 import signal
 import socket
 import subprocess
@@ -17,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from .conftest import FAST, PROJECT_ROOT
+from .conftest import ENV, FAST, PROJECT_ROOT, fingerprints, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -27,9 +25,6 @@ PYTHON = [sys.executable]
 TORCHRUN = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2"]
 ACCELERATE = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2"]
 ACCELERATE += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-# The tests' own modules (tests.faults) must be importable in every worker.
-PATHS = [str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")]
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in PATHS if p)}
 
 
 def command(*overrides: str, launcher: list[str] = PYTHON) -> list[str]:
@@ -54,16 +49,6 @@ def ok(proc: subprocess.CompletedProcess) -> str:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
     return out
-
-
-def fingerprints(run_dir: Path) -> dict[str, str]:
-    """The final weights fingerprint each rank logged, by log file."""
-    found = {}
-    for log in sorted(run_dir.glob("train*.log")):
-        match = re.search(r"final weights fingerprint (\w+)", log.read_text())
-        if match:
-            found[log.name] = match.group(1)
-    return found
 
 
 def only_run_dir(cwd: Path) -> Path:
@@ -257,13 +242,6 @@ def test_deepspeed_zero2_trains_the_same_weights_as_ddp(tmp_path):
     assert "world size 2 (DEEPSPEED)" in (ds / "train.log").read_text()
     assert fingerprints(ds) == fingerprints(ddp)
     assert train_losses(ds) == train_losses(ddp)
-
-
-def wait_for(path: Path, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} did not appear"
-        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])

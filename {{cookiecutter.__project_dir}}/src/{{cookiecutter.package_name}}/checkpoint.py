@@ -37,14 +37,18 @@ checkpoint. Nothing is unpickled beyond tensors and plain containers
 (``weights_only=True``), so a file holding a pickle that would run code is
 refused even when its manifest hash matches.
 
-Signals (``checkpoint.save_on_signal``): SIGTERM, SIGUSR1 and Ctrl-C (SIGINT) set
-a flag; at the next optimizer-step boundary the run saves a checkpoint and exits
-with ``128 + signal number``: **143** after SIGTERM, **138** after SIGUSR1, **130**
-after Ctrl-C (the codes a shell reports for a process killed by that signal, so
-schedulers treat the job as interrupted; the checkpoint is complete and
-restarting the same command resumes). Further SIGTERM/SIGUSR1 do not interrupt
-the save; a second Ctrl-C stops at once (a save in flight is left as ``*.tmp``,
-which the atomic protocol ignores).
+Signals (``checkpoint.save_on_signal``): SIGTERM, SIGUSR1, SIGUSR2 and Ctrl-C
+(SIGINT) set a flag; at the next optimizer-step boundary the run saves a
+checkpoint and exits with ``128 + signal number``: **143** after SIGTERM, **138**
+after SIGUSR1, **140** after SIGUSR2, **130** after Ctrl-C (the codes a shell
+reports for a process killed by that signal, so schedulers treat the job as
+interrupted; the checkpoint is complete and restarting the same command
+resumes). Further signals do not interrupt the save; a second Ctrl-C stops at
+once (a save in flight is left as ``*.tmp``, which the atomic protocol ignores).
+If a Python handler was installed for the signal before ours (submitit's
+preemption handler in a SLURM job: SIGUSR2 by default), it runs once the
+checkpoint is saved, so submitit requeues the job and the requeued job resumes
+from that checkpoint.
 
 Command line::
 
@@ -96,7 +100,7 @@ REQUIRED_FILES = (
     "trainer_state.json",
     "config.json",
 )
-EXIT_SIGNAL = {signal.SIGTERM: 143, signal.SIGUSR1: 138, signal.SIGINT: 130}
+EXIT_SIGNAL = {signal.SIGTERM: 143, signal.SIGUSR1: 138, signal.SIGUSR2: 140, signal.SIGINT: 130}
 # Config keys that may differ between a checkpoint and the run resuming it: run
 # length, cadence of logs/evals/checkpoints, trackers, loader workers (the data
 # order does not depend on them). Any other difference (model, data, optimizer,
@@ -450,6 +454,15 @@ class CheckpointManager:
         elif signum == signal.SIGINT:  # a second Ctrl-C: stop now, without saving
             signal.default_int_handler(signum, frame)
 
+    def _hand_signal_on(self) -> None:
+        """Now that the checkpoint is saved, run the handler that was there
+        before ours, if it is Python code: under submitit it requeues the job
+        (on rank 0; other ranks only log) or, out of requeues, fails it."""
+        handler = self._old_handlers.get(self._signal)
+        if callable(handler) and handler is not signal.default_int_handler:
+            log.info(f"passing {signal.Signals(self._signal).name} on to {handler.__qualname__}")
+            handler(self._signal, None)
+
     def _restore_signal_handlers(self) -> None:
         for signum, handler in self._old_handlers.items():
             signal.signal(signum, handler)
@@ -457,7 +470,7 @@ class CheckpointManager:
 
     @property
     def stop_requested(self) -> bool:
-        """True once SIGTERM/SIGUSR1/SIGINT arrived (on any rank)."""
+        """True once a stop signal arrived (on any rank)."""
         if self.accelerator.num_processes == 1:
             return self._signal is not None
         # One all-reduce per step boundary, however often the loop asks: every
@@ -649,7 +662,7 @@ class CheckpointManager:
     def maybe_save(self, step: int, epoch: int, batch: int) -> Path | None:
         """At every optimizer-step boundary: save when a rule says so (every N
         steps, at the end of every N epochs, on a new best value of the monitored
-        metric, after SIGTERM/SIGUSR1)."""
+        metric, after a stop signal)."""
         self._position = Position(step, epoch, batch)
         if not self.enabled:
             return None
@@ -676,6 +689,7 @@ class CheckpointManager:
             if self._signal is not None:
                 if self.enabled and self._last_saved_step != step:
                     self.save(step, epoch, batch, ["signal"])
+                self._hand_signal_on()
                 raise TrainingInterrupted(self._signal, self.last_saved)
             if self.enabled and self.ck.get("save_last", True) and self._last_saved_step != step:
                 self.save(step, epoch, batch, ["last"])

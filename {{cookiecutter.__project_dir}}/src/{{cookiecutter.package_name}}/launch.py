@@ -1,7 +1,12 @@
 """Decide how the processes of a run come to be, and start them when we must.
 
-- Inside a launcher (``torchrun``, ``accelerate launch``, ``srun``, or our own
-  spawn): the launcher made the processes; run here, once per process.
+- Inside a launcher (``torchrun``, ``accelerate launch``, or our own spawn):
+  the launcher made the processes; run here, once per process.
+- Inside a SLURM job step with several tasks (``hydra/launcher=slurm``, whose
+  submitit runs every task through ``srun``, or your own ``srun python
+  train.py``): SLURM made the processes. Their ranks, world size and
+  rendezvous come from SLURM's environment (submitit's
+  ``TorchDistributedEnvironment``); run here, never spawn again.
 - ``parallel=none``, or a world of one process: run here.
 - Otherwise (``python train.py parallel=ddp``): start ``num_processes`` workers
   on this node with torch's elastic launcher, the engine ``torchrun`` runs.
@@ -65,10 +70,44 @@ def expected_world_size(parallel: DictConfig) -> int:
     return processes_per_node(parallel) * (1 if parallel.mode == "none" else parallel.num_nodes)
 
 
+def slurm_task_count() -> int:
+    """Tasks in the SLURM job step this process belongs to; 0 outside one.
+    (A batch script is not a step: ``python train.py`` in it is one process.)"""
+    if "SLURM_STEP_ID" not in os.environ:
+        return 0
+    return int(os.environ.get("SLURM_STEP_NUM_TASKS", os.environ.get("SLURM_NTASKS", "1")))
+
+
+def adopt_slurm_ranks() -> None:
+    """In a multi-task SLURM step, export RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR (the job's first node) and MASTER_PORT (from the job id, or
+    ``MASTER_PORT`` if set) so the tasks form one process group."""
+    if under_launcher() or slurm_task_count() < 2:
+        return
+    try:
+        from submitit.helpers import TorchDistributedEnvironment
+    except ImportError:
+        raise LaunchError(
+            f"this is one of {slurm_task_count()} SLURM tasks; reading their ranks needs "
+            "submitit: pip install -e '.[slurm]'"
+        ) from None
+    # submitit recognises SLURM by this variable, which its own jobs set and a
+    # plain `srun python train.py` does not; the SLURM variables are there either way.
+    os.environ.setdefault("SUBMITIT_EXECUTOR", "slurm")
+    # Keep every GPU visible: accelerate picks cuda:LOCAL_RANK itself.
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
 def run(fn: Callable[[DictConfig, Path], Any], cfg: DictConfig, run_dir: Path) -> Any:
     """``fn(cfg, run_dir)`` on every process the config asks for; rank 0's result."""
+    adopt_slurm_ranks()
     if under_launcher() or expected_world_size(cfg.parallel) == 1:
         return fn(cfg, run_dir)
+    if slurm_task_count() == 1:
+        log.warning(
+            "one SLURM task is starting all the processes itself: give the job one task per "
+            "process (hydra.launcher.tasks_per_node) so that SLURM signals reach every rank"
+        )
     return _spawn(fn, cfg, run_dir)
 
 
