@@ -159,9 +159,9 @@ def test_a_two_task_job_is_one_ddp_run(tmp_path, reference):
 def test_srun_in_a_batch_script_is_one_ddp_run(tmp_path, reference):
     """Without submitit's launcher: ``srun python train.py`` in your own sbatch script."""
     train = f"srun {sys.executable} {TRAIN} {' '.join(TRAINING)}"
+    sbatch = ["sbatch", "--parsable", "--wait", "-n", "2", "-c", "1", "--mem=1G"]
     out = subprocess.run(
-        ["sbatch", "--parsable", "--wait", "-n", "2", "-c", "1", "--mem=1G"]
-        + [f"--output={tmp_path}/slurm-%j.out", "--wrap", train],
+        [*sbatch, f"--output={tmp_path}/slurm-%j.out", "--wrap", train],
         cwd=tmp_path,
         env=ENV,
         capture_output=True,
