@@ -75,6 +75,11 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "configs/checkpoint/default.yaml",
         "configs/checkpoint/none.yaml",
         "configs/data/digits.yaml",
+        "configs/experiment/cnn_sgd.yaml",
+        "configs/experiment/wide_mlp.yaml",
+        "configs/hparams_search/optuna.yaml",
+        "configs/hydra/callbacks/default.yaml",
+        "configs/hydra/callbacks/none.yaml",
         "configs/model/cnn.yaml",
         "configs/model/mlp.yaml",
         "configs/optimizer/adamw.yaml",
@@ -104,6 +109,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         f"{pkg}/run_dir.py",
         f"{pkg}/schedules.py",
         f"{pkg}/seeding.py",
+        f"{pkg}/sweep.py",
         f"{pkg}/tracking.py",
         f"{pkg}/assets/digits.csv.gz",
         "tests/__init__.py",
@@ -113,6 +119,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "tests/test_configs.py",
         "tests/test_train.py",
         "tests/test_parallel.py",
+        "tests/test_sweeps.py",
     }
     if ctx["license"] != "Proprietary":
         files.add("LICENSE")
@@ -255,7 +262,7 @@ def test_default_bake_installs_and_passes_in_a_fresh_venv(baked, tmp_path):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     pip("torch==2.13.0")  # the CPU wheel first, as the project README says
-    pip("-e", ".[dev,slurm]")
+    pip("-e", ".[dev,slurm,optuna]")
     # The deepspeed extra, the way the README says to install it without CUDA.
     pip("--no-build-isolation", "deepspeed>=0.15", env={"DS_BUILD_OPS": "0"})
     pip("-e", ".[deepspeed]")

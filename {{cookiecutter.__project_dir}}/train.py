@@ -35,6 +35,7 @@ from {{ cookiecutter.package_name }}.nonfinite import LossGuard, NonFiniteLoss
 from {{ cookiecutter.package_name }}.progress import Progress
 from {{ cookiecutter.package_name }}.run_dir import (
     hydra_run_dir,
+    in_sweep,
     register_resolvers,
     resolve_config,
     save_resolved_config,
@@ -212,6 +213,8 @@ def main(cfg: DictConfig) -> float:
         return run(train, cfg, run_dir)  # here, or in N spawned workers
     except (ConfigError, LaunchError, CheckpointError, NonFiniteLoss) as err:
         log.error(str(err))  # exit codes: 2 bad config, 1 failure, 3 NaN/inf loss
+        if in_sweep():
+            raise  # Hydra marks the job failed, runs the others, and the sweep exits 1
         sys.exit(err.exit_code)
     except TrainingInterrupted as err:  # SIGTERM 143, SIGUSR1 138, SIGUSR2 140: restart to resume
         log.warning(str(err))

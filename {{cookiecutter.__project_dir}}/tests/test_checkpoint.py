@@ -367,14 +367,12 @@ def test_malicious_pickle_is_refused_and_never_runs(reference, tmp_path):
 
 def test_incompatible_config_is_refused_listing_the_keys(reference, tmp_path):
     run = copy_run(reference(0), tmp_path / "run")
-    refused = run_train(
-        run, *ARGS, "model.hidden_sizes=[64,64]", "optimizer=sgd", "seed=1", check=False
-    )
+    refused = run_train(run, *ARGS, "model.width=64", "optimizer=sgd", "seed=1", check=False)
     assert refused.proc.returncode == 1 and "Traceback" not in refused.output
     assert "the config differs in keys that change the model, data or optimization" in (
         refused.output
     )
-    for key in ("model.hidden_sizes", "optimizer._target_", "optimizer.lr", "seed"):
+    for key in ("model.width", "optimizer._target_", "optimizer.lr", "seed"):
         assert f"  {key}: " in refused.output
     assert "trainer.max_steps" not in refused.output.split("Allowed to change")[0]
     assert steps_in(run) == steps_in(reference(0))  # nothing set aside or deleted

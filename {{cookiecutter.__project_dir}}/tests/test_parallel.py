@@ -105,6 +105,8 @@ def test_multirun_with_ddp(tmp_path):
         assert_two_rank_run(sweep / job)
     seeds = {json.loads((sweep / j / "config.json").read_text())["seed"] for j in "01"}
     assert seeds == {1, 2}
+    rows = list(csv.DictReader((sweep / "summary.csv").open()))
+    assert sorted(r["status"] for r in rows) == ["completed", "completed"]
 
 
 def free_port() -> int:

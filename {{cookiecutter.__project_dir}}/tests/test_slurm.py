@@ -5,6 +5,7 @@ preemption, requeue and cancellation, through ``hydra/launcher=slurm``.
 Skipped when no cluster answers, unless ``REQUIRE_SLURM=1`` (CI sets it).
 """
 
+import csv
 import json
 import os
 import re
@@ -185,6 +186,8 @@ def test_a_sweep_is_one_job_array(tmp_path):
         assert json.loads((sweep.dir / job / "config.json").read_text())["seed"] == seed
         assert json.loads((sweep.dir / job / "summary.json").read_text())["step"] == 20
         assert final_state(ids[int(job)]) == "COMPLETED"
+    rows = list(csv.DictReader((sweep.dir / "summary.csv").open()))  # written by the jobs
+    assert sorted((r["job"], r["status"]) for r in rows) == [("0", "completed"), ("1", "completed")]
 
 
 # How a running job gets interrupted:

@@ -6,22 +6,24 @@ from torch import nn
 
 
 class MLP(nn.Module):
-    """Flatten the image, then ``len(hidden_sizes)`` ReLU layers with dropout."""
+    """Flatten the image, then ``depth`` ReLU layers of ``width`` units with dropout.
+    (Two numbers rather than a list of sizes: a sweep can search them.)"""
 
     def __init__(
         self,
         in_features: int,
         num_classes: int,
-        hidden_sizes: list[int] | tuple[int, ...] = (128, 128),
+        width: int = 128,
+        depth: int = 2,
         dropout: float = 0.1,
     ) -> None:
         super().__init__()
         layers: list[nn.Module] = [nn.Flatten()]
-        width = in_features
-        for hidden in hidden_sizes:
-            layers += [nn.Linear(width, hidden), nn.ReLU(), nn.Dropout(dropout)]
-            width = hidden
-        layers.append(nn.Linear(width, num_classes))
+        size = in_features
+        for _ in range(depth):
+            layers += [nn.Linear(size, width), nn.ReLU(), nn.Dropout(dropout)]
+            size = width
+        layers.append(nn.Linear(size, num_classes))
         self.net = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from typing import Any
 
 from accelerate import PartialState
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from .launch import global_rank, under_launcher
@@ -72,15 +73,23 @@ def resolve_config(cfg: DictConfig) -> DictConfig:
     return resolved
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON so that readers see the old file or the new one, never half."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a file so that readers see the old one or the new one, never half."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=False)
-        f.write("\n")
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
+
+
+def in_sweep() -> bool:
+    """True inside a job of ``python train.py -m ...``."""
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def save_resolved_config(cfg: DictConfig, run_dir: Path) -> None:
