@@ -195,17 +195,19 @@ def test_a_sweep_is_one_job_array(tmp_path):
 #   (submitit's --signal=USR2@signal_delay_s); our checkpoint, then submitit requeues;
 # - scontrol_requeue: an outside requeue; submitit's hook never runs, SLURM's
 #   SIGTERM makes every rank save, and the requeued job resumes from disk;
-# - time_limit: a real 1-minute limit, the signal 30 s before it. SLURM checks
-#   limits every few seconds, so the run must outlast the signal: 500 steps.
+# - time_limit: a real 1-minute limit, the signal 30 s before it (SLURM may send it
+#   up to ~15 s earlier). 600 steps outlast the first signal on an idle machine;
+#   on a loaded one each attempt gets fewer steps done, hence up to 20 requeues.
 INTERRUPTIONS = {
     "usr2": (["scancel", "--signal=USR2"], []),
     "scontrol_requeue": (["scontrol", "requeue"], []),
     "time_limit": (
         None,
         [
-            "trainer.max_steps=500",
+            "trainer.max_steps=600",
             "hydra.launcher.timeout_min=1",
             "hydra.launcher.signal_delay_s=30",
+            "hydra.launcher.max_num_timeout=20",
         ],
     ),
 }
@@ -222,7 +224,7 @@ def test_an_interrupted_job_is_requeued_and_resumes_bit_exactly(tmp_path, refere
     signalled = time.time()
     if command:
         subprocess.run([*command, job], check=True, timeout=30)
-    assert sweep.wait() == 0, sweep.log()
+    assert sweep.wait(timeout=600) == 0, sweep.log()
 
     run_dir = sweep.dir / "0"
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -234,7 +236,10 @@ def test_an_interrupted_job_is_requeued_and_resumes_bit_exactly(tmp_path, refere
     assert saved and resumed, log  # saved on the way out, then the requeued job resumed
     took = f"saved {saved[0] - signalled:.1f} s after the signal, " if command else ""
     print(f"\n{how}: {took}resumed {resumed[0] - saved[0]:.1f} s after the save")
-    assert final_state(job) == "COMPLETED"
+    if how != "time_limit":  # there, the last attempt may end inside the signal window:
+        # a signal during interpreter exit kills the finished job, which SLURM records
+        # as FAILED although its result and run dir are complete (README: SLURM).
+        assert final_state(job) == "COMPLETED"
 
 
 def test_a_cancelled_job_fails_the_sweep_without_hanging(tmp_path):
