@@ -118,6 +118,7 @@ RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("preflight.only", _bool, "true or false"),
     ("preflight.warmup_steps", _non_negative_int, "an integer >= 0"),
     ("preflight.timed_steps", _positive_int, "an integer >= 1"),
+    ("preflight.min_timed_seconds", _non_negative_number, "a number >= 0"),
     ("preflight.eval_batches", _non_negative_int, "an integer >= 0"),
     ("preflight.disk_test_mib", _positive_int, "an integer >= 1"),
     ("preflight.memory_warn_fraction", _fraction, "a number between 0 and 1 (exclusive)"),

@@ -87,6 +87,7 @@ class Check:
 class Timing:
     """What the timed steps measured (on this rank)."""
 
+    steps: int = 0  # optimizer steps timed
     step_s: float = 0.0  # seconds per optimizer step
     samples_per_step: float = 0.0  # all ranks
     loader_s: float = 0.0  # loader alone, seconds per optimizer step's batches
@@ -491,8 +492,20 @@ def _time_steps(
         for _ in range(pf.timed_steps):
             samples += _train_step(acc, ckpt, batches, loss_fn, trainer.grad_clip_norm)
         _sync(device)
-        timing.step_s = (time.perf_counter() - started) / pf.timed_steps
-        timing.samples_per_step = samples * acc.num_processes / pf.timed_steps
+        # More steps while they took under min_timed_seconds: a tiny model's few
+        # milliseconds would measure the OS scheduler, not the step. Every rank
+        # takes the same number (each step holds collectives).
+        steps, elapsed = pf.timed_steps, time.perf_counter() - started
+        if elapsed < pf.min_timed_seconds:
+            more = math.ceil(pf.min_timed_seconds * steps / max(elapsed, 1e-9)) - steps
+            more = min(_max_over_ranks(acc, more), 100 * steps)
+            for _ in range(more):
+                samples += _train_step(acc, ckpt, batches, loss_fn, trainer.grad_clip_norm)
+            steps += more
+            _sync(device)
+        timing.steps = steps
+        timing.step_s = (time.perf_counter() - started) / steps
+        timing.samples_per_step = samples * acc.num_processes / steps
         timing.optimizer_bytes = _local_bytes(
             v for s in ckpt.optimizer.state.values() for v in s.values() if torch.is_tensor(v)
         )
@@ -563,6 +576,12 @@ def _train_step(
                 break
     ckpt.scheduler.step()
     return samples
+
+
+def _max_over_ranks(acc: Any, value: int) -> int:
+    if acc.num_processes == 1:
+        return value
+    return int(acc.gather(torch.tensor([value], device=acc.device)).max())
 
 
 def _cycle(loader: Any) -> Iterator:
@@ -810,7 +829,7 @@ def check_speed(
     loader_share = t.loader_s / t.step_s
     detail = (
         f"{steps_per_sec:.1f} steps/s, {samples_per_sec:.0f} samples/s "
-        f"({cfg.preflight.timed_steps} steps after {cfg.preflight.warmup_steps} warm-up); "
+        f"({t.steps} steps after {cfg.preflight.warmup_steps} warm-up); "
         f"ETA {_hms(eta)} for {remaining} steps = {remaining} x {t.step_s * 1e3:.1f} ms "
         f"+ {len(evals)} evaluations x {t.eval_s:.2f} s "
         f"+ up to {len(saves)} checkpoints x {save_s:.2f} s; "
