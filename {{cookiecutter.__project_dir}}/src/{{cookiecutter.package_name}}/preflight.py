@@ -776,6 +776,8 @@ def _write_test(directory: Path, size: int) -> str:
 
 def _count_events(cfg: DictConfig, total_steps: int, start_step: int, steps_per_epoch: int):
     """Steps in (start_step, total_steps] that evaluate, and that may save."""
+    if start_step >= total_steps:
+        return set(), set()  # a finished run resumed: nothing left to do
 
     def multiples(k: int | None) -> set[int]:
         if not k:
