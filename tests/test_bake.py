@@ -88,6 +88,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "configs/parallel/deepspeed.yaml",
         "configs/parallel/fsdp.yaml",
         "configs/parallel/none.yaml",
+        "configs/preflight/default.yaml",
         "configs/preflight/off.yaml",
         "configs/scheduler/constant.yaml",
         "configs/scheduler/warmup_cosine.yaml",
@@ -101,10 +102,12 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         f"{pkg}/checkpoint.py",
         f"{pkg}/config_checks.py",
         f"{pkg}/data.py",
+        f"{pkg}/flops.py",
         f"{pkg}/launch.py",
         f"{pkg}/metrics.py",
         f"{pkg}/model.py",
         f"{pkg}/nonfinite.py",
+        f"{pkg}/preflight.py",
         f"{pkg}/progress.py",
         f"{pkg}/run_dir.py",
         f"{pkg}/schedules.py",
@@ -117,6 +120,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "tests/faults.py",
         "tests/test_checkpoint.py",
         "tests/test_configs.py",
+        "tests/test_preflight.py",
         "tests/test_train.py",
         "tests/test_parallel.py",
         "tests/test_sweeps.py",
@@ -234,10 +238,11 @@ def run_pytest(python: str, project: Path, *args: str, env: dict | None = None) 
 def test_baked_project_tests_pass_in_shared_env(baked, name):
     """The other bakes share this environment. They differ from the default bake in
     names, defaults and optional files, not in code, so the long, the
-    multi-process and the checkpoint tests (identical code paths, nothing a bake
-    choice changes) run in the default bake only."""
+    multi-process, the checkpoint and the preflight tests (identical code paths,
+    nothing a bake choice changes) run in the default bake only."""
     env = {**os.environ, "PYTHONPATH": str(baked[name] / "src")}
     deselect = ["-m", "not slow and not multiprocess", "--ignore", "tests/test_checkpoint.py"]
+    deselect += ["--ignore", "tests/test_preflight.py"]
     run_pytest(sys.executable, baked[name], *deselect, env=env)
 
 

@@ -29,9 +29,11 @@ from {{ cookiecutter.package_name }}.checkpoint import (
     TrainingInterrupted,
 )
 from {{ cookiecutter.package_name }}.config_checks import ConfigError, check_config
+from {{ cookiecutter.package_name }}.flops import MFU
 from {{ cookiecutter.package_name }}.launch import LaunchError, run, setup_rank_logging
 from {{ cookiecutter.package_name }}.metrics import MetricBook
 from {{ cookiecutter.package_name }}.nonfinite import LossGuard, NonFiniteLoss
+from {{ cookiecutter.package_name }}.preflight import PreflightFailed, run_preflight
 from {{ cookiecutter.package_name }}.progress import Progress
 from {{ cookiecutter.package_name }}.run_dir import (
     hydra_run_dir,
@@ -45,6 +47,12 @@ from {{ cookiecutter.package_name }}.seeding import same_on_every_rank, seed_eve
 from {{ cookiecutter.package_name }}.tracking import flatten_config
 
 log = logging.getLogger("train")
+
+
+def compute_loss(model, x, y) -> torch.Tensor:
+    """The training objective of one micro-batch ``(x, y)`` of the train loader;
+    the loop and preflight's timed steps use it."""
+    return F.cross_entropy(model(x), y)
 
 
 @torch.no_grad()
@@ -64,8 +72,9 @@ def evaluate(model, loader, accelerator) -> dict[str, float]:
     return {"val/loss": (loss_sum / count).item(), "val/acc": (correct / count).item()}
 
 
-def train(cfg: DictConfig, run_dir: Path) -> float:
-    """One process's training; runs on every rank (see launch.py)."""
+def train(cfg: DictConfig, run_dir: Path) -> float | None:
+    """One process's training; runs on every rank (see launch.py). Returns the
+    best value of trainer.monitor (None with preflight.only=true)."""
     # --- logging, accelerator, seeds -------------------------------------------------
     setup_rank_logging(run_dir)
     accelerator = build_accelerator(cfg, run_dir)
@@ -108,8 +117,17 @@ def train(cfg: DictConfig, run_dir: Path) -> float:
     start_at = ckpt.resume()  # step/epoch/batch 0 unless resuming; restores every state
     step, epoch = start_at.step, start_at.epoch
 
+    # --- preflight: devices, memory, disk, checkpoint round trip, speed and ETA -------
+    # A failed check raises PreflightFailed (exit 1); the state is left as it was.
+    run_preflight(cfg, run_dir, ckpt, train_loader, val_loader, compute_loss, total_steps, step)
+    if cfg.preflight.only:  # preflight.only=true: the report was all we wanted
+        accelerator.wait_for_everyone()
+        accelerator.end_training()
+        return None
+
     # --- the loop ----------------------------------------------------------------------
     progress = Progress(total_steps, initial_step=step)
+    mfu = MFU(accelerator.unwrap_model(model), accelerator.device, cfg.trainer.mixed_precision)
     eval_every = cfg.trainer.eval_every_n_steps or steps_per_epoch
     loss_sum = torch.zeros((), device=accelerator.device)  # summed on device: no sync per step
     loss_count = 0
@@ -124,7 +142,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float:
         batches = skip_first_batches(train_loader, done) if done else train_loader
         for batch, (x, y) in enumerate(batches, start=done + 1):
             with accelerator.accumulate(model):
-                loss = F.cross_entropy(model(x), y)
+                loss = compute_loss(model, x, y)
                 accelerator.backward(loss)
                 guard.observe(loss)
                 if accelerator.sync_gradients:
@@ -145,16 +163,16 @@ def train(cfg: DictConfig, run_dir: Path) -> float:
 
             if step % cfg.trainer.log_every_n_steps == 0:
                 rate = progress.window_rate(step)
+                world = accelerator.num_processes
+                samples_per_sec = rate * len(y) * world * cfg.trainer.grad_accum_steps
                 metrics = {
                     "train/loss": accelerator.reduce(loss_sum, "mean").item() / loss_count,
                     "train/lr": scheduler.get_last_lr()[0],
                     "train/grad_norm": float(grad_norm),
                     "train/epoch": epoch + 1,
                     "perf/steps_per_sec": rate,
-                    "perf/samples_per_sec": rate
-                    * len(y)
-                    * accelerator.num_processes
-                    * cfg.trainer.grad_accum_steps,
+                    "perf/samples_per_sec": samples_per_sec,
+                    **mfu.metrics(samples_per_sec, world),  # perf/mfu, where the peak is known
                 }
                 loss_sum.zero_()
                 loss_count = 0
@@ -204,14 +222,14 @@ def train(cfg: DictConfig, run_dir: Path) -> float:
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
-def main(cfg: DictConfig) -> float:
+def main(cfg: DictConfig) -> float | None:
     try:
         cfg = resolve_config(cfg)  # plain and resolved: no ${...}, no Hydra state needed
         check_config(cfg)
         run_dir = hydra_run_dir()
         save_resolved_config(cfg, run_dir)
         return run(train, cfg, run_dir)  # here, or in N spawned workers
-    except (ConfigError, LaunchError, CheckpointError, NonFiniteLoss) as err:
+    except (ConfigError, LaunchError, CheckpointError, NonFiniteLoss, PreflightFailed) as err:
         log.error(str(err))  # exit codes: 2 bad config, 1 failure, 3 NaN/inf loss
         if in_sweep():
             raise  # Hydra marks the job failed, runs the others, and the sweep exits 1

@@ -17,12 +17,15 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = PROJECT_ROOT / "configs"
 
 # A few steps, logged and evaluated often enough to check every output
-# (tracker=csv explicitly: the project's default tracker is a bake-time choice).
+# (tracker=csv explicitly: the project's default tracker is a bake-time choice;
+# preflight off: it would add its timed steps to every run; test_preflight.py
+# turns it on).
 FAST = [
     "trainer.max_steps=30",
     "trainer.log_every_n_steps=5",
     "trainer.eval_every_n_steps=10",
     "tracker=csv",
+    "preflight=off",
 ]
 # For train.py subprocesses: the tests' own modules (tests.faults) must be
 # importable in every worker they start.

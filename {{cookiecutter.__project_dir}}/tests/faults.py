@@ -27,3 +27,11 @@ class Slow(MLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         time.sleep(0.05)
         return super().forward(x)
+
+
+class ForgetsWeightsOnLoad(MLP):
+    """``load_state_dict`` keeps the current weights: a checkpoint of it saves
+    fine but does not restore (preflight's round trip must report it)."""
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        return torch.nn.modules.module._IncompatibleKeys([], [])

@@ -81,6 +81,8 @@ def test_option_composes_and_instantiates(group, option, compose_cfg, tmp_path):
         assert list(resolved.tracker) == ([] if option == "none" else [option])
     if group == "model":
         assert type(model).__module__.endswith(".model")
+    if group == "preflight":
+        assert resolved.preflight.enabled is (option == "default")
 
 
 def test_flatten_config_gives_scalar_leaves(compose_cfg):

@@ -31,6 +31,7 @@ SLURM += ["hydra.launcher.mem_gb=1", "hydra.launcher.timeout_min=10"]
 # One training, run in several ways below; every way must end with its weights.
 TRAINING = ["parallel=ddp", "trainer.max_steps=150", "trainer.log_every_n_steps=10"]
 TRAINING += ["trainer.eval_every_n_steps=50", "checkpoint.every_n_steps=25", "tracker=csv"]
+TRAINING += ["preflight=off"]  # on in the first test only: it must not change the weights
 SLOW = "model._target_=tests.faults.Slow"  # the same MLP, 50 ms per forward pass
 
 
@@ -146,7 +147,7 @@ def log_time(line: str) -> float:
 
 
 def test_a_two_task_job_is_one_ddp_run(tmp_path, reference):
-    sweep = Sweep(tmp_path, *TRAINING, tasks=2)
+    sweep = Sweep(tmp_path, *TRAINING, "preflight=default", tasks=2)
     assert sweep.wait() == 0, sweep.log()
     runs = [p.parent for p in sweep.dir.rglob("summary.json")]
     assert runs == [sweep.dir / "0"]  # both tasks used one run dir
@@ -154,6 +155,7 @@ def test_a_two_task_job_is_one_ddp_run(tmp_path, reference):
     assert summary["world_size"] == 2 and summary["step"] == 150
     assert set(fingerprints(runs[0])) == {"train.log", "train_rank1.log"}
     assert len(set(fingerprints(runs[0]).values())) == 1
+    assert (runs[0] / "preflight.json").is_file()  # checked on both ranks, then trained
     assert_same_weights(runs[0], reference())  # SLURM's 2 ranks == 2 self-launched ranks
 
 

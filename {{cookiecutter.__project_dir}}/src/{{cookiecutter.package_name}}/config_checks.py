@@ -114,6 +114,15 @@ RULES: list[tuple[str, Callable[[Any], bool], str]] = [
         _resume,
         "auto, never, or an existing directory (a run dir, its checkpoints/, or one checkpoint)",
     ),
+    ("preflight.enabled", _bool, "true or false"),
+    ("preflight.only", _bool, "true or false"),
+    ("preflight.warmup_steps", _non_negative_int, "an integer >= 0"),
+    ("preflight.timed_steps", _positive_int, "an integer >= 1"),
+    ("preflight.min_timed_seconds", _non_negative_number, "a number >= 0"),
+    ("preflight.eval_batches", _non_negative_int, "an integer >= 0"),
+    ("preflight.disk_test_mib", _positive_int, "an integer >= 1"),
+    ("preflight.memory_warn_fraction", _fraction, "a number between 0 and 1 (exclusive)"),
+    ("preflight.loader_warn_fraction", _fraction, "a number between 0 and 1 (exclusive)"),
 ]
 
 
@@ -127,6 +136,8 @@ def check_config(cfg: DictConfig) -> None:
     trainer = cfg.trainer
     if trainer.max_epochs is None and trainer.max_steps is None:
         problems.append("trainer.max_epochs and trainer.max_steps are both null: set at least one")
+    if cfg.preflight.get("only", False) and not cfg.preflight.get("enabled", False):
+        problems.append("preflight.only=true with preflight=off: use preflight=default")
     if cfg.parallel.mode == "deepspeed" and cfg.checkpoint.get("enabled", False):
         # DeepSpeed's optimizer state holds Python objects (enums, loss-scaler
         # state) that torch.load(weights_only=True) refuses: no safe resume.

@@ -1,5 +1,11 @@
 """Example models for the digits task. Replace with your own; the config keys
-under ``configs/model/`` are the constructor's argument names."""
+under ``configs/model/`` are the constructor's argument names.
+
+``flops_per_sample()`` (optional, for the ``perf/mfu`` metric and preflight's
+MFU estimate, see ``flops.py``): the FLOPs of one training step per sample,
+counted as 3 x the forward pass (backward costs about twice the forward),
+where a multiply-add is 2 FLOPs. Elementwise work (ReLU, norms) is left out.
+"""
 
 import torch
 from torch import nn
@@ -26,12 +32,19 @@ class MLP(nn.Module):
         layers.append(nn.Linear(size, num_classes))
         self.net = nn.Sequential(*layers)
 
+    def flops_per_sample(self) -> int:
+        forward = sum(
+            2 * m.in_features * m.out_features for m in self.modules() if isinstance(m, nn.Linear)
+        )
+        return 3 * forward
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
 
 class SmallCNN(nn.Module):
-    """Two 3x3 conv blocks, global average pooling, a linear head."""
+    """Two 3x3 conv blocks, global average pooling, a linear head.
+    ``image_size`` (height = width of the input) only enters ``flops_per_sample``."""
 
     def __init__(
         self,
@@ -39,8 +52,10 @@ class SmallCNN(nn.Module):
         num_classes: int,
         channels: list[int] | tuple[int, ...] = (32, 64),
         dropout: float = 0.1,
+        image_size: int = 8,
     ) -> None:
         super().__init__()
+        self.image_size = image_size
         layers: list[nn.Module] = []
         width = in_channels
         for out in channels:
@@ -53,6 +68,17 @@ class SmallCNN(nn.Module):
             nn.Dropout(dropout),
             nn.Linear(width, num_classes),
         )
+
+    def flops_per_sample(self) -> int:
+        pixels = self.image_size**2  # padding=1 keeps the size through both convs
+        forward = 0
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                kernel = m.kernel_size[0] * m.kernel_size[1]
+                forward += 2 * kernel * m.in_channels * m.out_channels * pixels
+            elif isinstance(m, nn.Linear):
+                forward += 2 * m.in_features * m.out_features
+        return 3 * forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))

@@ -1,5 +1,6 @@
 """Progress on the main process: a tqdm bar on a terminal, plain log lines
-otherwise (files, CI, SLURM logs). Both show steps/s and the ETA."""
+otherwise (files, CI, SLURM logs). Both show steps/s, samples/s, MFU (when
+the model declares its FLOPs, see ``flops.py``) and the ETA."""
 
 import datetime
 import logging
@@ -46,9 +47,15 @@ class Progress:
         rate = self.overall_rate(step)
         eta = datetime.timedelta(seconds=round((self.total - step) / rate)) if rate > 0 else "?"
         shown = {k: f"{v:.4g}" for k, v in metrics.items() if not k.startswith("perf/")}
+        if "perf/samples_per_sec" in metrics:
+            shown["samples/s"] = f"{metrics['perf/samples_per_sec']:.0f}"
+        if "perf/mfu" in metrics:
+            shown["mfu"] = f"{metrics['perf/mfu']:.1%}"
         self.bar.set_postfix(shown, refresh=False)
         if self.log_lines:
-            fields = " | ".join(f"{k} {v}" for k, v in shown.items())
+            fields = " | ".join(
+                f"{v} {k}" if k == "samples/s" else f"{k} {v}" for k, v in shown.items()
+            )
             with logging_redirect_tqdm():  # print above the bar, not through it
                 log.info(f"step {step}/{self.total} | {fields} | {rate:.1f} steps/s | eta {eta}")
 
