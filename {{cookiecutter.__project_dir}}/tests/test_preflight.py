@@ -198,7 +198,7 @@ def test_a_world_size_the_cores_cannot_give_fails(tmp_path):
 
 @pytest.mark.parametrize(
     "model",
-    [MLP(64, 10, [128, 128]), SmallCNN(1, 10, [32, 64], image_size=8)],
+    [MLP(64, 10, width=128, depth=2), SmallCNN(1, 10, [32, 64], image_size=8)],
     ids=lambda m: type(m).__name__,
 )
 def test_declared_flops_are_three_times_torchs_forward_count(model):
@@ -220,7 +220,7 @@ def test_peak_flops_table_and_world_size():
         "no peak-FLOPs figure for NVIDIA A10G: add it to PEAK_TFLOPS in flops.py",
     )
     assert peak_flops(torch.device("cpu"), "no")[0] is None
-    mfu = MFU(MLP(64, 10, [128, 128]), torch.device("cpu"), "no")
+    mfu = MFU(MLP(64, 10, width=128, depth=2), torch.device("cpu"), "no")
     assert mfu.metrics(1e6, 1) == {}  # no peak for a CPU: no perf/mfu
     mfu.peak = 1e12  # as for a device in the table: MFU divides by every device's peak
     assert mfu.of(2e6, world_size=2) == pytest.approx(mfu.flops_per_sample * 2e6 / 2e12)
