@@ -1,14 +1,17 @@
 """Shared helpers: run the real train.py in a subprocess, compose real configs."""
 
 import json
+import os
 import subprocess
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 
 from {{ cookiecutter.package_name }}.run_dir import register_resolvers
+from {{ cookiecutter.package_name }}.tracking import REQUIRES
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = PROJECT_ROOT / "configs"
@@ -21,6 +24,16 @@ FAST = [
     "trainer.eval_every_n_steps=10",
     "tracker=csv",
 ]
+
+
+def require_trackers(*names: str) -> None:
+    """Tests of optional trackers need their packages (``pip install -e '.[dev]'``
+    installs them all). Only where TESTS_SKIP_MISSING_EXTRAS=1 says that the
+    environment lacks them on purpose is a missing one a skip; anywhere else
+    the test runs and fails, naming the install command."""
+    missing = [m for name in names for m in REQUIRES.get(name, ()) if find_spec(m) is None]
+    if missing and os.environ.get("TESTS_SKIP_MISSING_EXTRAS") == "1":
+        pytest.skip(f"not installed here: {', '.join(missing)}")
 
 
 class TrainRun:
