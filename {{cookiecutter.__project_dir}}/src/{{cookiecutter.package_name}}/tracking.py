@@ -133,7 +133,7 @@ class WandBTracker(AccelerateWandBTracker):
     ) -> None:
         super().__init__(project, **init_kwargs)
         self.run_dir = Path(run_dir)
-        self.resume_id = run_id
+        self.run_id = run_id  # to resume; after start, this run's id (checkpoints save it)
         self.mode = mode
         self.watch_settings = watch or {}
 
@@ -142,7 +142,7 @@ class WandBTracker(AccelerateWandBTracker):
         self.init_kwargs.update(
             dir=str(self.run_dir),
             mode=self.mode or _wandb_default_mode(),
-            id=self.resume_id,  # None: a new run
+            id=self.run_id,  # None: a new run
             resume="allow",
         )
         # Read by the W&B service process wandb.init starts; restored right after,
@@ -153,10 +153,7 @@ class WandBTracker(AccelerateWandBTracker):
         }
         with _environ({k: v for k, v in env.items() if k not in os.environ}):
             super().start()
-
-    @property
-    def run_id(self) -> str:
-        return self.run.id
+        self.run_id = self.run.id
 
     @on_main_process
     def finish(self) -> None:
@@ -200,7 +197,8 @@ class MLflowTracker(AccelerateMLflowTracker):
         db = _sqlite_file(self.tracking_uri)
         if artifact_location is None and db is not None:  # else the store's default
             artifact_location = str(db.parent.resolve() / "mlflow-artifacts")
-        # artifact_location applies when this run creates the experiment.
+        # artifact_location applies when this run creates the experiment. run_id:
+        # to resume; after start, this run's id (checkpoints save it).
         super().__init__(experiment or project, logging_dir=artifact_location, run_id=run_id)
         self.log_model = log_model
 
@@ -216,15 +214,7 @@ class MLflowTracker(AccelerateMLflowTracker):
                 log.warning(f"MLflow run {self.run_id} is not in {self.tracking_uri}: a new run")
                 self.run_id = None
             super().start()
-
-    @property
-    def run_id(self) -> str | None:
-        active = getattr(self, "active_run", None)
-        return active.info.run_id if active is not None else self._resume_id
-
-    @run_id.setter
-    def run_id(self, value: str | None) -> None:
-        self._resume_id = value
+        self.run_id = self.active_run.info.run_id
 
     @on_main_process
     def store_init_configuration(self, values: dict) -> None:
