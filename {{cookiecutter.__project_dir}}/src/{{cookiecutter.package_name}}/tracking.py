@@ -309,7 +309,7 @@ def build_trackers(cfg: DictConfig, run_dir: Path) -> list[GeneralTracker]:
         missing = [m for m in REQUIRES.get(name, ()) if find_spec(m) is None]
         if missing:
             raise ConfigError(
-                f"tracker={name} needs {', '.join(missing)}, which is not installed: "
+                f"tracker={name} needs {', '.join(missing)}, not installed here: "
                 f"pip install -e '.[{name}]'"
             )
         settings = OmegaConf.to_container(node) if node is not None else {}
