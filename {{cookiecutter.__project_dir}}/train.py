@@ -44,7 +44,7 @@ from {{ cookiecutter.package_name }}.run_dir import (
     write_summary,
 )
 from {{ cookiecutter.package_name }}.seeding import same_on_every_rank, seed_everything
-from {{ cookiecutter.package_name }}.tracking import flatten_config
+from {{ cookiecutter.package_name }}.tracking import flatten_config, log_final_model, watch_model
 
 log = logging.getLogger("train")
 
@@ -94,6 +94,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     max_epochs = math.ceil(total_steps / steps_per_epoch)
     scheduler = accelerator.prepare(instantiate(cfg.scheduler)(optimizer, total_steps=total_steps))
     accelerator.init_trackers(cfg.project, config=flatten_config(OmegaConf.to_container(cfg)))
+    watch_model(accelerator, model)  # W&B gradient/parameter histograms (tracker.wandb.watch)
     log.info(
         f"{sum(p.numel() for p in model.parameters()):,} parameters | "
         f"{total_steps} steps ({steps_per_epoch}/epoch) | world size {accelerator.num_processes} "
@@ -210,6 +211,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     write_summary(run_dir, summary)
     log.info(f"final weights fingerprint {weights_fingerprint(accelerator.unwrap_model(model))}")
     accelerator.save_model(model, run_dir)  # final weights: model.safetensors
+    log_final_model(accelerator, cfg, run_dir, loaders.val)  # MLflow: the model and weights
     log.info(
         f"done: {step} steps in {wall:.1f}s | "
         + " | ".join(f"{k} {v:.4f}" for k, v in book.last.items() if k.startswith("val/"))

@@ -6,12 +6,14 @@ import re
 import subprocess
 import sys
 import time
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 
 from {{ cookiecutter.package_name }}.run_dir import register_resolvers
+from {{ cookiecutter.package_name }}.tracking import REQUIRES
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = PROJECT_ROOT / "configs"
@@ -48,6 +50,16 @@ def wait_for(path: Path, timeout: float = 120) -> None:
     while not path.exists():
         assert time.monotonic() < deadline, f"{path} did not appear"
         time.sleep(0.1)
+
+
+def require_trackers(*names: str) -> None:
+    """Tests of optional trackers need their packages (``pip install -e '.[dev]'``
+    installs them all). Only where TESTS_SKIP_MISSING_EXTRAS=1 says that the
+    environment lacks them on purpose is a missing one a skip; anywhere else
+    the test runs and fails, naming the install command."""
+    missing = [m for name in names for m in REQUIRES.get(name, ()) if find_spec(m) is None]
+    if missing and os.environ.get("TESTS_SKIP_MISSING_EXTRAS") == "1":
+        pytest.skip(f"not installed here: {', '.join(missing)}")
 
 
 class TrainRun:

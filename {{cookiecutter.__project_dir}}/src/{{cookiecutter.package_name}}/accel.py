@@ -60,7 +60,7 @@ def build_accelerator(cfg: DictConfig, run_dir: Path) -> Accelerator:
         # YAML reads an unquoted `no` as false.
         mixed_precision="no" if precision is False else precision,
         gradient_accumulation_steps=cfg.trainer.grad_accum_steps,
-        log_with=build_trackers(cfg.tracker, run_dir) or None,
+        log_with=build_trackers(cfg, run_dir) or None,
         project_dir=str(run_dir),
         kwargs_handlers=handlers,
         fsdp_plugin=fsdp_plugin,

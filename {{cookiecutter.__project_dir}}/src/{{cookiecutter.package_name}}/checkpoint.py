@@ -827,7 +827,10 @@ class CheckpointManager:
             "batches_per_epoch": self.batches_per_epoch,
             "best_checkpoint": best,
             "stateful": {n: obj.state_dict() for n, obj in self.stateful.items()},
-            "tracker_run_ids": {},  # filled by trackers that have run ids (wandb, mlflow)
+            # W&B and MLflow run ids (tracking.py): a resume continues those runs.
+            "tracker_run_ids": {
+                t.name: t.run_id for t in self.accelerator.trackers if getattr(t, "run_id", None)
+            },
         }
         if self.guard is not None:
             trainer_state["loss_guard"] = self.guard.state_dict()

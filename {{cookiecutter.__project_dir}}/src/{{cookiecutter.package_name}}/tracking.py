@@ -1,22 +1,54 @@
 """Experiment trackers, built from ``cfg.tracker`` for accelerate's tracker API.
 
 ``cfg.tracker`` maps each selected tracker to its settings; Hydra's
-multi-select (``tracker=[csv,...]``) merges the options. accelerate's
-``init_trackers``/``log``/``end_training`` run on the main process only, so no
-other rank ever opens a tracker file.
+multi-select (``tracker=[csv,tensorboard,wandb,mlflow]``) merges the options.
+Every tracker is an accelerate ``GeneralTracker`` (accelerate's own TensorBoard,
+W&B and MLflow trackers, adapted below, and a CSV tracker), handed to
+``Accelerator(log_with=...)``. accelerate's ``init_trackers``/``log``/
+``end_training`` run on the main process only, so no other rank ever creates a
+run or opens a tracker file; the helpers here check that themselves too.
+
+Optional packages are imported when a tracker starts, never at import time; a
+missing one stops the run before any work with the ``pip install`` to run.
+W&B and MLflow runs have ids: checkpoints store them (``run_id`` of each
+tracker) and a resumed run continues the same runs.
 """
 
+import contextlib
 import csv
+import fcntl
+import json
+import logging
+import netrc
+import os
+import re
 import time
+from collections.abc import Iterator
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
-from accelerate.tracking import GeneralTracker
-from omegaconf import DictConfig
+import torch
+from accelerate.tracking import GeneralTracker, on_main_process
+from accelerate.tracking import MLflowTracker as AccelerateMLflowTracker
+from accelerate.tracking import TensorBoardTracker as AccelerateTensorBoardTracker
+from accelerate.tracking import WandBTracker as AccelerateWandBTracker
+from accelerate.utils import DistributedType
+from omegaconf import DictConfig, OmegaConf
 
+from .checkpoint import committed_checkpoints
 from .config_checks import ConfigError
 
-AVAILABLE = ("csv",)
+log = logging.getLogger(__name__)
+
+AVAILABLE = ("csv", "tensorboard", "wandb", "mlflow")
+# Modules each tracker needs, and the extra of pyproject.toml that installs them.
+REQUIRES = {
+    "tensorboard": ("tensorboard",),
+    "wandb": ("wandb",),
+    "mlflow": ("mlflow", "sqlalchemy", "alembic", "pandas"),  # sqlite store, log_model
+}
 
 
 class CSVTracker(GeneralTracker):
@@ -56,17 +88,322 @@ class CSVTracker(GeneralTracker):
             self._file = None
 
 
-def build_trackers(tracker_cfg: DictConfig, run_dir: Path) -> list[GeneralTracker]:
-    """Tracker objects for ``Accelerator(log_with=...)``; an empty list for none."""
+class TensorBoardTracker(AccelerateTensorBoardTracker):
+    """accelerate's TensorBoard tracker, writing to ``<run dir>/tensorboard``.
+
+    The config goes into the run's own event file as hparams, with
+    ``hparam_metrics`` as the metric columns, so TensorBoard's HParams tab lines
+    up the runs of a sweep (accelerate writes hparams as a separate,
+    timestamped run). ``purge_step``: a resumed run hides what the interrupted
+    run logged after the checkpoint it resumes from."""
+
+    main_process_only = True
+
+    def __init__(
+        self, run_dir: Path, hparam_metrics: list[str] | None = None, purge_step: int | None = None
+    ) -> None:
+        super().__init__("tensorboard", str(run_dir), purge_step=purge_step)
+        self.hparam_metrics = list(hparam_metrics or [])
+
+    @on_main_process
+    def store_init_configuration(self, values: dict) -> None:
+        from torch.utils.tensorboard.summary import hparams
+
+        for summary in hparams(values, dict.fromkeys(self.hparam_metrics, 0.0)):
+            self.writer.file_writer.add_summary(summary)
+        self.writer.flush()
+
+
+class WandBTracker(AccelerateWandBTracker):
+    """accelerate's W&B tracker: offline unless ``mode``, ``WANDB_MODE`` or an
+    API key says otherwise (no key never fails), files and cache in
+    ``<run dir>/wandb``, error reporting off, and resumable by run id
+    (``resume="allow"``; train.py logs with explicit steps, so they continue)."""
+
+    main_process_only = True
+
+    def __init__(
+        self,
+        project: str,
+        run_dir: Path,
+        run_id: str | None = None,
+        mode: str | None = None,
+        watch: dict | None = None,
+        **init_kwargs: Any,  # entity, group, tags, ...: passed to wandb.init
+    ) -> None:
+        super().__init__(project, **init_kwargs)
+        self.run_dir = Path(run_dir)
+        self.run_id = run_id  # to resume; after start, this run's id (checkpoints save it)
+        self.mode = mode
+        self.watch_settings = watch or {}
+
+    @on_main_process
+    def start(self) -> None:
+        self.init_kwargs.update(
+            dir=str(self.run_dir),
+            mode=self.mode or _wandb_default_mode(),
+            id=self.run_id,  # None: a new run
+            resume="allow",
+        )
+        # Read by the W&B service process wandb.init starts; restored right after,
+        # so the next job of a multirun (same process) sets its own.
+        env = {
+            "WANDB_CACHE_DIR": str(self.run_dir / "wandb" / "cache"),
+            "WANDB_ERROR_REPORTING": "false",
+        }
+        with _environ({k: v for k, v in env.items() if k not in os.environ}):
+            super().start()
+        self.run_id = self.run.id
+
+    @on_main_process
+    def finish(self) -> None:
+        import wandb
+
+        super().finish()
+        wandb.teardown()  # the service ends too: a next job starts its own (its cache dir)
+
+
+def _wandb_default_mode() -> str | None:
+    """None (wandb reads ``WANDB_MODE``) when set, else online only with a key."""
+    if os.environ.get("WANDB_MODE"):
+        return None
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:  # where `wandb login` stores the key
+        return "online" if netrc.netrc().authenticators(host or "") else "offline"
+    except (OSError, netrc.NetrcParseError):
+        return "offline"
+
+
+class MLflowTracker(AccelerateMLflowTracker):
+    """accelerate's MLflow tracker with a local store in the run dir by default
+    (``sqlite:///<run dir>/mlflow.db``, artifacts in ``<run dir>/mlflow-artifacts``),
+    telemetry off, params that MLflow accepts, and resumable by run id."""
+
+    main_process_only = True
+
+    def __init__(
+        self,
+        project: str,
+        run_dir: Path,
+        run_id: str | None = None,
+        experiment: str | None = None,
+        tracking_uri: str | None = None,
+        artifact_location: str | None = None,
+        log_model: bool = True,
+    ) -> None:
+        self.tracking_uri = tracking_uri or f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
+        db = _sqlite_file(self.tracking_uri)
+        if artifact_location is None and db is not None:  # else the store's default
+            artifact_location = str(db.parent.resolve() / "mlflow-artifacts")
+        # artifact_location applies when this run creates the experiment. run_id:
+        # to resume; after start, this run's id (checkpoints save it).
+        super().__init__(experiment or project, logging_dir=artifact_location, run_id=run_id)
+        self.log_model = log_model
+
+    @on_main_process
+    def start(self) -> None:
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # read when mlflow is imported
+        import mlflow
+
+        # Per job, not via MLFLOW_TRACKING_URI: jobs of a multirun share the process.
+        mlflow.set_tracking_uri(self.tracking_uri)
+        with _store_lock(self.tracking_uri):
+            if self.run_id and not _mlflow_run_exists(self.run_id):
+                log.warning(f"MLflow run {self.run_id} is not in {self.tracking_uri}: a new run")
+                self.run_id = None
+            super().start()
+        self.run_id = self.active_run.info.run_id
+
+    @on_main_process
+    def store_init_configuration(self, values: dict) -> None:
+        """Keys with characters MLflow refuses get ``_``; keys and values are cut
+        to MLflow's limits. A resumed run keeps its first values: MLflow cannot
+        change a param (config.yaml has the values of this start)."""
+        import mlflow
+        from mlflow.utils.validation import (
+            MAX_ENTITY_KEY_LENGTH,
+            MAX_PARAM_VAL_LENGTH,
+            MAX_PARAMS_TAGS_PER_BATCH,
+        )
+
+        params = {
+            _mlflow_key(key)[:MAX_ENTITY_KEY_LENGTH]: str(value)[:MAX_PARAM_VAL_LENGTH]
+            for key, value in values.items()
+        }
+        logged = mlflow.get_run(self.run_id).data.params
+        changed = sorted(k for k in params if k in logged and logged[k] != params[k])
+        if changed:
+            log.info(f"MLflow keeps the first value of params changed on resume: {changed}")
+        new = [(k, v) for k, v in params.items() if k not in logged]
+        for i in range(0, len(new), MAX_PARAMS_TAGS_PER_BATCH):
+            mlflow.log_params(dict(new[i : i + MAX_PARAMS_TAGS_PER_BATCH]))
+
+
+def _mlflow_key(key: str) -> str:
+    """MLflow accepts alphanumerics, ``_ - . / :`` and spaces, and no empty
+    path segments (``a//b``, a leading or trailing ``/``)."""
+    key = re.sub(r"[^\w.\- :/]", "_", key)
+    return "/".join(part for part in key.split("/") if part not in ("", ".", "..")) or "_"
+
+
+def _mlflow_run_exists(run_id: str) -> bool:
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    try:
+        MlflowClient().get_run(run_id)
+    except MlflowException:
+        return False
+    return True
+
+
+def _sqlite_file(uri: str) -> Path | None:
+    return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+
+
+@contextlib.contextmanager
+def _store_lock(uri: str) -> Iterator[None]:
+    """One process at a time creates a local store and its experiment: jobs of a
+    sweep sharing one sqlite store otherwise race on its migrations (seen: 3 of
+    4 parallel jobs failing). A server needs no lock."""
+    db = _sqlite_file(uri)
+    if urlparse(uri).scheme in ("", "file"):  # a file store: a folder
+        lock_file = Path(urlparse(uri).path) / ".lock"
+    elif db is not None:
+        lock_file = db.with_name(db.name + ".lock")
+    else:
+        yield
+        return
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key in values:
+            os.environ.pop(key, None)
+
+
+# --- building, resuming -------------------------------------------------------------
+
+
+def build_trackers(cfg: DictConfig, run_dir: Path) -> list[GeneralTracker]:
+    """Tracker objects for ``Accelerator(log_with=...)``; an empty list for none.
+    Nothing is imported or started here (accelerate starts them on the main
+    process). W&B and MLflow get the run ids of this run dir's checkpoints."""
+    run_ids, resumed_step = _resume_point(cfg, Path(run_dir))
     trackers: list[GeneralTracker] = []
-    for name, settings in tracker_cfg.items():
-        if name == "csv":
-            trackers.append(CSVTracker(run_dir, **settings))
-        else:
+    for name, node in cfg.tracker.items():
+        if name not in AVAILABLE:
             raise ConfigError(
                 f"tracker={name!r} is not available; choose from: none, {', '.join(AVAILABLE)}"
             )
+        missing = [m for m in REQUIRES.get(name, ()) if find_spec(m) is None]
+        if missing:
+            raise ConfigError(
+                f"tracker={name} needs {', '.join(missing)}, not installed here: "
+                f"pip install -e '.[{name}]'"
+            )
+        settings = OmegaConf.to_container(node) if node is not None else {}
+        if name == "csv":
+            trackers.append(CSVTracker(run_dir, **settings))
+        elif name == "tensorboard":
+            purge = resumed_step + 1 if resumed_step else None
+            trackers.append(TensorBoardTracker(run_dir, purge_step=purge, **settings))
+        elif name == "wandb":
+            trackers.append(WandBTracker(cfg.project, run_dir, run_ids.get("wandb"), **settings))
+        else:
+            trackers.append(MLflowTracker(cfg.project, run_dir, run_ids.get("mlflow"), **settings))
     return trackers
+
+
+def _resume_point(cfg: DictConfig, run_dir: Path) -> tuple[dict[str, str], int]:
+    """Tracker run ids and step of this run dir's newest checkpoint, which
+    ``CheckpointManager.resume`` continues from ({} and 0 for a fresh start).
+    Every checkpoint of a run dir holds the same run ids, so when the newest
+    is damaged and resume falls back to an older one, the ids still match."""
+    ck = cfg.get("checkpoint") or {}
+    if not ck.get("enabled", False) or ck.get("resume", "auto") == "never":
+        return {}, 0
+    for ckpt in reversed(committed_checkpoints(run_dir / "checkpoints")):
+        try:
+            state = json.loads((ckpt / "trainer_state.json").read_text(encoding="utf-8"))
+            return dict(state.get("tracker_run_ids") or {}), int(state["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return {}, 0
+
+
+# --- what only some trackers do ---------------------------------------------------
+
+
+def _started(accelerator: Any, name: str) -> GeneralTracker | None:
+    """The started tracker ``name``; None on other ranks (they have none)."""
+    return next((t for t in accelerator.trackers if t.name == name), None)
+
+
+def watch_model(accelerator: Any, model: torch.nn.Module) -> None:
+    """W&B: histograms of gradients and/or parameters (``tracker.wandb.watch``)."""
+    tracker = _started(accelerator, "wandb")
+    if tracker is None or not tracker.watch_settings.get("log"):
+        return
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        # Parameters are sharded: rank-0-only hooks would see one shard.
+        log.warning("tracker.wandb.watch is skipped under FSDP/DeepSpeed (sharded parameters)")
+        return
+    tracker.run.watch(accelerator.unwrap_model(model), **tracker.watch_settings)
+
+
+def log_final_model(accelerator: Any, cfg: DictConfig, run_dir: Path, loader: Any) -> None:
+    """MLflow: ``model.safetensors`` as an artifact and, with
+    ``tracker.mlflow.log_model``, the model exported with torch.export on a
+    batch of ``loader`` (no pickle: ``mlflow.pytorch.load_model`` loads it
+    without this package). The model is rebuilt from the saved weights, so it is
+    whole under every parallel mode."""
+    tracker = _started(accelerator, "mlflow")
+    if tracker is None:
+        return
+    import mlflow
+
+    weights = Path(run_dir) / "model.safetensors"
+    mlflow.log_artifact(str(weights))
+    if not tracker.log_model:
+        return
+    import mlflow.pytorch
+    from hydra.utils import instantiate
+    from mlflow.models import ModelSignature
+    from mlflow.types import Schema, TensorSpec
+    from safetensors.torch import load_file
+
+    model = instantiate(cfg.model)
+    model.load_state_dict(load_file(weights))
+    model.eval()
+    x = next(iter(loader))[0][:2].cpu()  # 2 rows: the batch dimension stays dynamic
+    with torch.no_grad():
+        y = model(x)
+
+    def spec(t: torch.Tensor) -> TensorSpec:
+        return TensorSpec(t.numpy().dtype, (-1, *t.shape[1:]))
+
+    try:
+        mlflow.pytorch.log_model(
+            model,
+            name="model",
+            input_example=x.numpy(),
+            signature=ModelSignature(inputs=Schema([spec(x)]), outputs=Schema([spec(y)])),
+            # Given, not inferred: inference loads the model in a subprocess (slow).
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
+        )
+    except Exception as err:  # e.g. a model torch.export cannot trace
+        log.warning(f"MLflow: the model was not logged ({err}); model.safetensors was")
 
 
 def flatten_config(tree: Any, prefix: str = "") -> dict[str, str | int | float | bool]:
