@@ -163,13 +163,13 @@ def test_every_tracker_at_once_reads_back(tmp_path, env):
     assert [s.step for s in events.Scalars("train/loss")] == steps
     hparams, metrics = tensorboard_hparams(events)
     assert hparams["optimizer/lr"].number_value == pytest.approx(3e-3)
-    assert hparams["model/hidden_sizes"].string_value == "[128, 128]"  # a list, as text
+    assert hparams["optimizer/betas"].string_value == "[0.9, 0.999]"  # a list, as text
     assert metrics == ["val/acc", "val/loss", "train/loss"]
 
     # W&B: one offline run (no key, no WANDB_MODE), its config, every logged key
     # at its step, and wandb.watch's histograms.
     (run,) = wandb_runs(run_dir)
-    assert {"optimizer/lr", "model/hidden_sizes", "tracker/wandb/mode"} <= run["config"]
+    assert {"optimizer/lr", "optimizer/betas", "tracker/wandb/mode"} <= run["config"]
     assert sorted(s for s, keys in run["history"].items() if "train/loss" in keys) == steps
     assert run["history"][30] >= EVALUATED
     assert any(k.startswith("gradients/") for keys in run["history"].values() for k in keys)
@@ -190,7 +190,7 @@ def test_every_tracker_at_once_reads_back(tmp_path, env):
 
     mlflow.set_tracking_uri(client.tracking_uri)
     loaded = mlflow.pytorch.load_model(f"runs:/{run_id}/model")
-    reference = MLP(in_features=64, num_classes=10, hidden_sizes=[128, 128])
+    reference = MLP(in_features=64, num_classes=10, width=128, depth=2)
     reference.load_state_dict(load_file(run_dir / "model.safetensors"))
     reference.eval()
     images = load_digits()[0][:50]
