@@ -32,6 +32,7 @@ from {{ cookiecutter.package_name }}.config_checks import ConfigError, check_con
 from {{ cookiecutter.package_name }}.launch import LaunchError, run, setup_rank_logging
 from {{ cookiecutter.package_name }}.metrics import MetricBook
 from {{ cookiecutter.package_name }}.nonfinite import LossGuard, NonFiniteLoss
+from {{ cookiecutter.package_name }}.perf import Throughput
 from {{ cookiecutter.package_name }}.progress import Progress
 from {{ cookiecutter.package_name }}.run_dir import (
     hydra_run_dir,
@@ -46,6 +47,12 @@ from {{ cookiecutter.package_name }}.tracking import flatten_config
 log = logging.getLogger("train")
 
 
+def cross_entropy(logits: torch.Tensor, y: torch.Tensor, **kwargs) -> torch.Tensor:
+    """Class labels (batch,) or token targets (batch, positions): each position
+    is one prediction, so both flatten to rows of logits."""
+    return F.cross_entropy(logits.flatten(0, -2), y.flatten(), **kwargs)
+
+
 @torch.no_grad()
 def evaluate(model, loader, accelerator) -> dict[str, float]:
     """Loss and accuracy over the whole validation set, summed across ranks."""
@@ -56,7 +63,7 @@ def evaluate(model, loader, accelerator) -> dict[str, float]:
     for x, y in loader:
         logits = model(x)
         logits, y = accelerator.gather_for_metrics((logits, y))
-        loss_sum += F.cross_entropy(logits.float(), y, reduction="sum")
+        loss_sum += cross_entropy(logits.float(), y, reduction="sum")
         correct += (logits.argmax(dim=-1) == y).sum()
         count += y.numel()
     model.train()
@@ -76,6 +83,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float:
     with same_on_every_rank(cfg.seed):
         model = instantiate(cfg.model)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
+    throughput = Throughput(model, accelerator, cfg.trainer.peak_tflops)  # samples, tokens, MFU
     model, optimizer, train_loader, val_loader = accelerator.prepare(
         model, optimizer, loaders.train, loaders.val
     )
@@ -123,7 +131,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float:
         batches = skip_first_batches(train_loader, done) if done else train_loader
         for batch, (x, y) in enumerate(batches, start=done + 1):
             with accelerator.accumulate(model):
-                loss = F.cross_entropy(model(x), y)
+                loss = cross_entropy(model(x), y)
                 accelerator.backward(loss)
                 guard.observe(loss)
                 if accelerator.sync_gradients:
@@ -150,10 +158,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float:
                     "train/grad_norm": float(grad_norm),
                     "train/epoch": epoch + 1,
                     "perf/steps_per_sec": rate,
-                    "perf/samples_per_sec": rate
-                    * len(y)
-                    * accelerator.num_processes
-                    * cfg.trainer.grad_accum_steps,
+                    **throughput.metrics(rate, y, cfg.trainer.grad_accum_steps),
                 }
                 loss_sum.zero_()
                 loss_count = 0

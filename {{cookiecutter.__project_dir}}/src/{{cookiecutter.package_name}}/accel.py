@@ -70,7 +70,12 @@ def build_accelerator(cfg: DictConfig, run_dir: Path) -> Accelerator:
         step_scheduler_with_optimizer=False,
         # The shuffle order comes from a generator seeded with (seed + epoch),
         # identical on every rank and after a resume.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),
+        # non_blocking: batches from pinned memory go to the GPU without a host sync.
+        dataloader_config=DataLoaderConfiguration(
+            use_seedable_sampler=True, data_seed=cfg.seed, non_blocking=True
+        ),
+        # trainer.compile: prepare() wraps the model in torch.compile (inductor).
+        dynamo_backend="inductor" if cfg.trainer.get("compile", False) else "no",
     )
     if fsdp_plugin is not None and accelerator.distributed_type != DistributedType.FSDP:
         _use_fsdp_without_gpus(accelerator, fsdp_plugin)

@@ -24,6 +24,11 @@ class MLP(nn.Module):
         layers.append(nn.Linear(width, num_classes))
         self.net = nn.Sequential(*layers)
 
+    @property
+    def flops_per_sample(self) -> int:
+        """Training FLOPs per sample (forward + backward): 6 per linear weight."""
+        return 6 * sum(m.weight.numel() for m in self.net if isinstance(m, nn.Linear))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
