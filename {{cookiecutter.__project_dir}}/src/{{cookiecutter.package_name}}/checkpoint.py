@@ -127,7 +127,8 @@ ALLOWED_CONFIG_CHANGES = (
 )
 # Test hook, documented and inert unless set: ``CKPT_TEST_PAUSE_AT=POINT[@STEP]``
 # makes a save pause (sleep) at POINT (between_files, before_rename,
-# before_pointers, pruning) so a test can SIGKILL the process exactly there.
+# before_pointers, pruning) so a test can SIGKILL the process exactly there;
+# ``POINT[@STEP]+SECONDS`` pauses that long, then the save goes on.
 _PAUSE_ENV = "CKPT_TEST_PAUSE_AT"
 
 
@@ -312,10 +313,11 @@ def _pause_point(point: str, step: int) -> None:
     wanted = os.environ.get(_PAUSE_ENV)
     if not wanted:
         return
-    name, _, at = wanted.partition("@")
+    where, _, seconds = wanted.partition("+")
+    name, _, at = where.partition("@")
     if name == point and (not at or int(at) == step):
         print(f"CKPT_TEST_PAUSED {point} step {step}", file=sys.stderr, flush=True)
-        time.sleep(3600)
+        time.sleep(float(seconds or 3600))
 
 
 # --- RNG state as tensors and plain containers (so weights_only loading works) -------
