@@ -118,6 +118,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float:
     # --- the loop ----------------------------------------------------------------------
     progress = Progress(total_steps, initial_step=step)
     eval_every = cfg.trainer.eval_every_n_steps or steps_per_epoch
+    log_every, clip_norm = cfg.trainer.log_every_n_steps, cfg.trainer.grad_clip_norm  # read once
     loss_sum = torch.zeros((), device=accelerator.device)  # summed on device: no sync per step
     loss_count = 0
     grad_norm = torch.zeros(())
@@ -135,10 +136,8 @@ def train(cfg: DictConfig, run_dir: Path) -> float:
                 accelerator.backward(loss)
                 guard.observe(loss)
                 if accelerator.sync_gradients:
-                    if cfg.trainer.grad_clip_norm:
-                        grad_norm = accelerator.clip_grad_norm_(
-                            model.parameters(), cfg.trainer.grad_clip_norm
-                        )
+                    if clip_norm:
+                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_norm)
                     if not guard.drop_update():  # on_nan=skip drops a non-finite update
                         optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
@@ -150,7 +149,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float:
             step += 1
             progress.advance()
 
-            if step % cfg.trainer.log_every_n_steps == 0:
+            if step % log_every == 0:
                 rate = progress.window_rate(step)
                 metrics = {
                     "train/loss": accelerator.reduce(loss_sum, "mean").item() / loss_count,
