@@ -193,8 +193,9 @@ def train(cfg: DictConfig, run_dir: Path) -> float:
         "skipped_nan_steps": guard.skipped,
     }
     write_summary(run_dir, summary)
-    log.info(f"final weights fingerprint {weights_fingerprint(accelerator.unwrap_model(model))}")
-    accelerator.save_model(model, run_dir)  # final weights: model.safetensors
+    plain = accelerator.unwrap_model(model, keep_torch_compile=False)  # no DDP/compile wrapper
+    log.info(f"final weights fingerprint {weights_fingerprint(plain)}")
+    accelerator.save_model(plain, run_dir)  # final weights: model.safetensors
     log.info(
         f"done: {step} steps in {wall:.1f}s | "
         + " | ".join(f"{k} {v:.4f}" for k, v in book.last.items() if k.startswith("val/"))

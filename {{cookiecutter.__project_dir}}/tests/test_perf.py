@@ -1,6 +1,6 @@
 """Performance features with real runs: async checkpoints (also under SIGTERM and
-SIGKILL), the GPT example on CPU, and bench.py's quick mode (its figures are
-printed, never judged: timings on shared CI machines mean nothing)."""
+SIGKILL), the GPT example compiled on CPU, and bench.py's quick mode (its figures
+are printed, never judged: timings on shared CI machines mean nothing)."""
 
 import csv
 import json
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from {{ cookiecutter.package_name }}.checkpoint import committed_checkpoints, verify_checkpoint
 from {{ cookiecutter.package_name }}.config_checks import ConfigError, check_config
@@ -78,6 +79,7 @@ def trainer_state(ckpt: Path) -> dict:
     return state
 
 
+@pytest.mark.multiprocess
 def test_async_checkpoints_hold_the_state_of_their_step(sync_reference, tmp_path):
     """The background writer of step 14 pauses for 2 s before it serializes the
     optimizer state, while training goes on: the files must still hold step
@@ -103,6 +105,7 @@ def test_async_checkpoints_hold_the_state_of_their_step(sync_reference, tmp_path
     assert_same_weights(run, sync_reference)
 
 
+@pytest.mark.multiprocess
 def test_sigterm_waits_for_the_async_save_and_resumes(sync_reference, tmp_path):
     """SIGTERM during an async run: the save in flight finishes, the stop
     checkpoint is written and committed, exit 143; the resumed run ends with
@@ -126,6 +129,7 @@ def test_sigterm_waits_for_the_async_save_and_resumes(sync_reference, tmp_path):
     assert all(verify_checkpoint(p) is None for p in committed_checkpoints(run / "checkpoints"))
 
 
+@pytest.mark.multiprocess
 def test_sigkill_during_async_saves_leaves_only_valid_checkpoints(sync_reference, tmp_path):
     """SIGKILL while the background thread writes (between files) and before
     its commit (the rename), each while training has gone on: only complete,
@@ -145,14 +149,22 @@ def test_sigkill_during_async_saves_leaves_only_valid_checkpoints(sync_reference
     assert_same_weights(run, sync_reference)
 
 
-def test_gpt_example_trains_on_cpu_and_reports_tokens_and_mfu(train_run):
+@pytest.mark.slow  # compiling takes ~20 s on a CPU
+def test_gpt_example_compiled_trains_on_cpu_and_reports_tokens_and_mfu(train_run, monkeypatch):
+    monkeypatch.setenv("TORCH_LOGS", "dynamo")  # torch says what it compiles
     run = train_run(
         *TINY_GPT,
+        "trainer.compile=true",
         "trainer.max_steps=60",
         "trainer.log_every_n_steps=10",
         "trainer.eval_every_n_steps=30",
         "trainer.peak_tflops=0.5",  # a CPU has no known peak: give one, so MFU is reported
     )
+    assert "start tracing forward" in run.output and "gpt.py" in run.output
+    assert "calling compiler function inductor" in run.output
+    # The compiled wrapper leaves no trace in the weights' names.
+    names = set(load_file(run.run_dir / "model.safetensors"))
+    assert "head.weight" in names and not any("_orig_mod" in n for n in names)
     rows = list(csv.DictReader((run.run_dir / "metrics.csv").open()))
 
     def series(name: str) -> dict[int, float]:
@@ -171,6 +183,12 @@ def test_gpt_example_trains_on_cpu_and_reports_tokens_and_mfu(train_run):
     assert mfu == pytest.approx(tokens[60] * flops_per_token / 0.5e12)
     assert 0 < mfu < 1
     assert set(run.summary["metrics"]) >= {"perf/tokens_per_sec", "perf/mfu"}
+    # Its checkpoint resumes without compiling (trainer.compile may change on resume).
+    eager = run_train(
+        run.run_dir, *TINY_GPT, "trainer.max_steps=70", "trainer.eval_every_n_steps=30"
+    )
+    assert f"resumed from {run.run_dir / 'checkpoints' / 'step_0000060'}" in eager.output
+    assert eager.summary["step"] == 70 and "start tracing forward" not in eager.output
 
 
 def test_new_config_values_are_checked(compose_cfg):
@@ -190,6 +208,7 @@ def test_new_config_values_are_checked(compose_cfg):
     check_config(resolve_config(compose_cfg(*TINY_GPT, ASYNC, "trainer.compile=true")))
 
 
+@pytest.mark.multiprocess
 def test_bench_quick_mode_reports_every_figure(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(

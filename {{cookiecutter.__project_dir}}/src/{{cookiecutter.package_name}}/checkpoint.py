@@ -645,11 +645,13 @@ class CheckpointManager:
         )
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_optimizer_state_dict(self.model, self.optimizer.optimizer, options=options)
+        return get_optimizer_state_dict(
+            self._plain_model(), self.optimizer.optimizer, options=options
+        )
 
     def _load_model_and_optimizer(self, model_state: dict, optimizer_state: dict) -> None:
         if not self.accelerator.is_fsdp2:
-            self.accelerator.unwrap_model(self.model).load_state_dict(model_state)
+            self._plain_model().load_state_dict(model_state)
             self.optimizer.load_state_dict(optimizer_state)
             return
         from torch.distributed.checkpoint.state_dict import (
@@ -659,10 +661,15 @@ class CheckpointManager:
         )
 
         options = StateDictOptions(full_state_dict=True)  # every rank shards its copy
-        set_model_state_dict(self.model, model_state, options=options)
+        set_model_state_dict(self._plain_model(), model_state, options=options)
         set_optimizer_state_dict(
-            self.model, self.optimizer.optimizer, optimizer_state, options=options
+            self._plain_model(), self.optimizer.optimizer, optimizer_state, options=options
         )
+
+    def _plain_model(self) -> torch.nn.Module:
+        """The model without DDP's and torch.compile's wrappers: the parameter
+        names its class defines, with or without ``trainer.compile``."""
+        return self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
 
     def _set_aside_newer_than(self, step: int) -> None:
         """Checkpoints newer than the one resumed from (corrupted, or from an
@@ -812,7 +819,7 @@ class CheckpointManager:
         acc = self.accelerator
         name = f"step_{step:07d}"
         best = new_best or self.best
-        model_state = acc.get_state_dict(self.model)  # collectives under FSDP/DeepSpeed
+        model_state = acc.get_state_dict(self._plain_model())  # collectives under FSDP
         optimizer_state = self._optimizer_state()
         blobs = {f"rng_rank{acc.process_index}.pt": _torch_bytes(rng_state())}
         tensors: dict[str, Any] = {}
