@@ -149,6 +149,29 @@ def test_sigkill_during_async_saves_leaves_only_valid_checkpoints(sync_reference
     assert_same_weights(run, sync_reference)
 
 
+@pytest.mark.multiprocess
+def test_async_checkpoints_under_ddp(tmp_path, monkeypatch):
+    """Two processes: every rank stages and writes its own files in the
+    background; rank 0 commits once rank 1's file is there (no collective runs
+    off the main thread, so nothing can deadlock). Rank 0's writer pauses 1 s at
+    step 14 while both ranks train on. The weights equal a sync DDP run's."""
+    ddp = ["parallel=ddp", "parallel.num_processes=2", *ARGS, KEEP_ALL]
+    sync = run_train(tmp_path / "sync", *ddp)
+    monkeypatch.setenv("CKPT_TEST_PAUSE_AT", "between_files@14+1")
+    run = run_train(tmp_path / "async", *ddp, ASYNC)
+    assert "CKPT_TEST_PAUSED between_files step 14" in run.output
+    assert "(every_n_steps; async)" in run.output
+    assert run.summary["world_size"] == 2
+    assert steps_in(run.run_dir) == steps_in(sync.run_dir)
+    for step in steps_in(run.run_dir):
+        ckpt = ckpt_dir(run.run_dir, step)
+        assert verify_checkpoint(ckpt) is None
+        assert {"rng_rank0.pt", "rng_rank1.pt"} <= {p.name for p in ckpt.iterdir()}
+        assert_same_weights(ckpt, ckpt_dir(sync.run_dir, step))
+    assert_same_weights(run.run_dir, sync.run_dir)
+    assert not list((run.run_dir / "checkpoints").glob("*.tmp"))
+
+
 @pytest.mark.slow  # compiling takes ~20 s on a CPU
 def test_gpt_example_compiled_trains_on_cpu_and_reports_tokens_and_mfu(train_run, monkeypatch):
     monkeypatch.setenv("TORCH_LOGS", "dynamo")  # torch says what it compiles
