@@ -70,19 +70,23 @@ SIZES = {  # workload sizes per setting; override any with --overrides
         "model.n_layer=2",
         "model.n_head=2",
     ],
-    "cpu": [
-        "data.seq_len=64",
-        "data.vocab_size=128",
-        "data.num_train=4096",
+    "cpu": [  # ~20-50 ms per step on a laptop core
+        "data.seq_len=32",
+        "data.vocab_size=64",
+        "data.num_train=2048",
         "data.batch_size=16",
-        "model.d_model=128",
+        "model.d_model=64",
         "model.n_layer=2",
+        "model.n_head=2",
     ],
     "gpu": ["trainer.mixed_precision=bf16"],  # the configured size
 }
 # A bigger model for the checkpoint figures, so that they measure bytes, not
 # per-file overheads (quick: the workload's own model).
-CHECKPOINT_SIZE = {"cpu": ["model.d_model=512", "model.n_layer=6"], "gpu": ["model.n_layer=8"]}
+CHECKPOINT_SIZE = {  # ~20M parameters: ~250 MB with AdamW's state
+    "cpu": ["model.d_model=512", "model.n_layer=6", "model.n_head=8"],
+    "gpu": ["model.d_model=512", "model.n_layer=6", "model.n_head=8"],
+}
 
 
 # --- the two kinds of training process ------------------------------------------------------
@@ -414,7 +418,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 round (for CI)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--repeats", type=int, help="rounds (default 5; quick: 1)")
-    parser.add_argument("--steps", type=int, help="optimizer steps per run (300; quick: 20)")
+    parser.add_argument("--steps", type=int, help="optimizer steps per run (200; quick: 20)")
     parser.add_argument(
         "--only", default=",".join(PARTS), help=f"comma-separated parts of {','.join(PARTS)}"
     )
@@ -429,7 +433,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dir", type=Path, default=None, help="scratch space (default: ./)")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (1 if args.quick else 5)
-    args.steps = args.steps or (20 if args.quick else 300)
+    args.steps = args.steps or (20 if args.quick else 200)
     args.only = [p.strip() for p in args.only.split(",") if p.strip()]
     bad = [p for p in args.only if p not in PARTS]
     if bad:
