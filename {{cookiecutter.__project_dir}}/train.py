@@ -29,10 +29,10 @@ from {{ cookiecutter.package_name }}.checkpoint import (
     TrainingInterrupted,
 )
 from {{ cookiecutter.package_name }}.config_checks import ConfigError, check_config
-from {{ cookiecutter.package_name }}.flops import MFU
 from {{ cookiecutter.package_name }}.launch import LaunchError, run, setup_rank_logging
 from {{ cookiecutter.package_name }}.metrics import MetricBook
 from {{ cookiecutter.package_name }}.nonfinite import LossGuard, NonFiniteLoss
+from {{ cookiecutter.package_name }}.perf import Throughput
 from {{ cookiecutter.package_name }}.preflight import PreflightFailed, run_preflight
 from {{ cookiecutter.package_name }}.progress import Progress
 from {{ cookiecutter.package_name }}.run_dir import (
@@ -49,10 +49,16 @@ from {{ cookiecutter.package_name }}.tracking import flatten_config, log_final_m
 log = logging.getLogger("train")
 
 
+def cross_entropy(logits: torch.Tensor, y: torch.Tensor, **kwargs) -> torch.Tensor:
+    """Class labels (batch,) or token targets (batch, positions): each position
+    is one prediction, so both flatten to rows of logits."""
+    return F.cross_entropy(logits.flatten(0, -2), y.flatten(), **kwargs)
+
+
 def compute_loss(model, x, y) -> torch.Tensor:
     """The training objective of one micro-batch ``(x, y)`` of the train loader;
     the loop and preflight's timed steps use it."""
-    return F.cross_entropy(model(x), y)
+    return cross_entropy(model(x), y)
 
 
 @torch.no_grad()
@@ -65,7 +71,7 @@ def evaluate(model, loader, accelerator) -> dict[str, float]:
     for x, y in loader:
         logits = model(x)
         logits, y = accelerator.gather_for_metrics((logits, y))
-        loss_sum += F.cross_entropy(logits.float(), y, reduction="sum")
+        loss_sum += cross_entropy(logits.float(), y, reduction="sum")
         correct += (logits.argmax(dim=-1) == y).sum()
         count += y.numel()
     model.train()
@@ -86,6 +92,10 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     with same_on_every_rank(cfg.seed):
         model = instantiate(cfg.model)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
+    # samples/s, tokens/s and MFU for the logs (before prepare() wraps the model)
+    throughput = Throughput(
+        model, accelerator, cfg.trainer.mixed_precision, cfg.trainer.peak_tflops
+    )
     model, optimizer, train_loader, val_loader = accelerator.prepare(
         model, optimizer, loaders.train, loaders.val
     )
@@ -128,8 +138,8 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
 
     # --- the loop ----------------------------------------------------------------------
     progress = Progress(total_steps, initial_step=step)
-    mfu = MFU(accelerator.unwrap_model(model), accelerator.device, cfg.trainer.mixed_precision)
     eval_every = cfg.trainer.eval_every_n_steps or steps_per_epoch
+    log_every, clip_norm = cfg.trainer.log_every_n_steps, cfg.trainer.grad_clip_norm  # read once
     loss_sum = torch.zeros((), device=accelerator.device)  # summed on device: no sync per step
     loss_count = 0
     grad_norm = torch.zeros(())
@@ -147,10 +157,8 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
                 accelerator.backward(loss)
                 guard.observe(loss)
                 if accelerator.sync_gradients:
-                    if cfg.trainer.grad_clip_norm:
-                        grad_norm = accelerator.clip_grad_norm_(
-                            model.parameters(), cfg.trainer.grad_clip_norm
-                        )
+                    if clip_norm:
+                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_norm)
                     if not guard.drop_update():  # on_nan=skip drops a non-finite update
                         optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
@@ -162,18 +170,15 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
             step += 1
             progress.advance()
 
-            if step % cfg.trainer.log_every_n_steps == 0:
+            if step % log_every == 0:
                 rate = progress.window_rate(step)
-                world = accelerator.num_processes
-                samples_per_sec = rate * len(y) * world * cfg.trainer.grad_accum_steps
                 metrics = {
                     "train/loss": accelerator.reduce(loss_sum, "mean").item() / loss_count,
                     "train/lr": scheduler.get_last_lr()[0],
                     "train/grad_norm": float(grad_norm),
                     "train/epoch": epoch + 1,
                     "perf/steps_per_sec": rate,
-                    "perf/samples_per_sec": samples_per_sec,
-                    **mfu.metrics(samples_per_sec, world),  # perf/mfu, where the peak is known
+                    **throughput.metrics(rate, y, cfg.trainer.grad_accum_steps),
                 }
                 loss_sum.zero_()
                 loss_count = 0
@@ -209,8 +214,9 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
         "skipped_nan_steps": guard.skipped,
     }
     write_summary(run_dir, summary)
-    log.info(f"final weights fingerprint {weights_fingerprint(accelerator.unwrap_model(model))}")
-    accelerator.save_model(model, run_dir)  # final weights: model.safetensors
+    plain = accelerator.unwrap_model(model, keep_torch_compile=False)  # no DDP/compile wrapper
+    log.info(f"final weights fingerprint {weights_fingerprint(plain)}")
+    accelerator.save_model(plain, run_dir)  # final weights: model.safetensors
     log_final_model(accelerator, cfg, run_dir, loaders.val)  # MLflow: the model and weights
     log.info(
         f"done: {step} steps in {wall:.1f}s | "

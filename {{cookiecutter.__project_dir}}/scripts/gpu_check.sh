@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # One-shot check of the paths that need GPUs (CI runs on CPUs only):
-# CUDA bf16 and fp16 (grad scaler), deterministic mode, and with 2+ GPUs
-# NCCL DDP (self-launched and torchrun) and FSDP through accelerate's own
-# GPU code path, with bf16 as FSDP's mixed-precision policy.
+# CUDA bf16 and fp16 (grad scaler), deterministic mode, the GPT example with
+# bf16 autocast, torch.compile, fused AdamW and async checkpoints (pinned-memory
+# staging) reporting tokens/s and MFU, and with 2+ GPUs NCCL DDP (self-launched
+# and torchrun) and FSDP through accelerate's own GPU code path, with bf16 as
+# FSDP's mixed-precision policy, for the digits task and the GPT.
 #
 #   pip install -e '.[dev]' && bash scripts/gpu_check.sh
+#   BENCH=1 bash scripts/gpu_check.sh      # then also python bench.py (a few minutes)
 #
-# Every run trains the example task for a few epochs and must reach 90 %
-# validation accuracy; the script prints one line per check and exits
+# Every digits run trains a few epochs and must reach 90 % validation accuracy;
+# every GPT run trains 300 steps and must bring the validation loss below 2.0
+# (5.5 at the start) with MFU logged. Every checkpoint must verify. The script
+# prints one line per check (with tokens/s and MFU for the GPT) and exits
 # non-zero if any failed. Run dirs land in runs/gpu_check/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,25 +27,35 @@ echo "GPUs: $GPUS ($(python -c "import torch; print(torch.cuda.get_device_name(0
 OUT=runs/gpu_check
 rm -rf "$OUT"
 FAILED=0
-COMMON=(trainer.max_epochs=8 tracker=csv)
+DIGITS="m['val/acc'] >= 0.90"
+GPT_OK="m['val/loss'] < 2.0 and m['perf/mfu'] > 0 and m['perf/tokens_per_sec'] > 0"
+GPT=(model=gpt data=tokens trainer.mixed_precision=bf16 trainer.compile=true optimizer.fused=true
+     trainer.max_steps=300 trainer.eval_every_n_steps=150 checkpoint.async=true
+     checkpoint.every_n_steps=100)
 
-check() {  # check NAME WORLD_SIZE EXPECTED_TYPE -- command...
-  local name=$1 world=$2 kind=$3
-  shift 4
+check() {  # check NAME WORLD_SIZE EXPECTED_TYPE CONDITION -- command...
+  local name=$1 world=$2 kind=$3 condition=$4
+  shift 5
   local dir="$OUT/$name"
   local start=$SECONDS
-  if "$@" "${COMMON[@]}" "hydra.run.dir=$dir" >"$OUT-$name.log" 2>&1 &&
-     python - "$dir" "$world" "$kind" <<'PY'
+  local figures
+  if "$@" trainer.max_epochs=8 tracker=csv "hydra.run.dir=$dir" >"$OUT-$name.log" 2>&1 &&
+     python -m {{ cookiecutter.package_name }}.checkpoint verify "$dir" >>"$OUT-$name.log" 2>&1 &&
+     figures=$(python - "$dir" "$world" "$kind" "$condition" <<'PY'
 import json, sys
 from pathlib import Path
-run_dir, world, kind = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+run_dir, world, kind, condition = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 summary = json.loads((run_dir / "summary.json").read_text())
+m = summary["metrics"]
 assert summary["world_size"] == world, summary["world_size"]
-assert summary["metrics"]["val/acc"] >= 0.90, summary["metrics"]["val/acc"]
+assert eval(condition, {"m": m}), f"{condition}: {m}"
 assert f"({kind})" in (run_dir / "train.log").read_text(), f"not {kind}"
+shown = ("val/acc", "val/loss", "perf/tokens_per_sec", "perf/mfu")
+print(" ".join(f"{k}={m[k]:.4g}" for k in shown if k in m))
 PY
+)
   then
-    echo "PASS  $name ($((SECONDS - start)) s)"
+    echo "PASS  $name ($((SECONDS - start)) s) $figures"
   else
     echo "FAIL  $name: see $OUT-$name.log and $dir/"
     FAILED=1
@@ -48,17 +63,26 @@ PY
 }
 
 mkdir -p "$OUT"
-check cuda_fp32 1 NO -- python train.py
-check cuda_bf16 1 NO -- python train.py trainer.mixed_precision=bf16
-check cuda_fp16 1 NO -- python train.py trainer.mixed_precision=fp16
-check deterministic 1 NO -- python train.py seeding=deterministic
+check cuda_fp32 1 NO "$DIGITS" -- python train.py
+check cuda_bf16 1 NO "$DIGITS" -- python train.py trainer.mixed_precision=bf16
+check cuda_fp16 1 NO "$DIGITS" -- python train.py trainer.mixed_precision=fp16
+check deterministic 1 NO "$DIGITS" -- python train.py seeding=deterministic
+check gpt_bf16_compile 1 NO "$GPT_OK" -- python train.py "${GPT[@]}"
 if [ "$GPUS" -ge 2 ]; then
-  check ddp_nccl_bf16 2 MULTI_GPU -- python train.py parallel=ddp parallel.num_processes=2 \
-    trainer.mixed_precision=bf16
-  check torchrun_ddp 2 MULTI_GPU -- torchrun --standalone --nproc_per_node 2 train.py parallel=ddp
-  check fsdp_bf16 2 FSDP -- python train.py parallel=fsdp parallel.num_processes=2 \
+  check ddp_nccl_bf16 2 MULTI_GPU "$DIGITS" -- python train.py parallel=ddp \
+    parallel.num_processes=2 trainer.mixed_precision=bf16
+  check torchrun_ddp 2 MULTI_GPU "$DIGITS" -- torchrun --standalone --nproc_per_node 2 \
+    train.py parallel=ddp
+  check fsdp_bf16 2 FSDP "$DIGITS" -- python train.py parallel=fsdp parallel.num_processes=2 \
     parallel.auto_wrap_min_params=1000 trainer.mixed_precision=bf16
+  check gpt_ddp 2 MULTI_GPU "$GPT_OK" -- python train.py "${GPT[@]}" parallel=ddp \
+    parallel.num_processes=2
+  check gpt_fsdp 2 FSDP "$GPT_OK" -- python train.py "${GPT[@]}" parallel=fsdp \
+    parallel.num_processes=2 parallel.auto_wrap_min_params=100000
 else
   echo "SKIP  ddp/fsdp: need 2 GPUs"
+fi
+if [ "${BENCH:-0}" = "1" ]; then
+  python bench.py --json "$OUT/bench.json" || FAILED=1
 fi
 exit $FAILED

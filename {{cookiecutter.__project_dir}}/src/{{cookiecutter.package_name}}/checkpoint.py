@@ -23,6 +23,23 @@ the previous checkpoints untouched and at most a ``*.tmp`` folder, which is
 ignored and removed at the next start. A disk error (full, read-only) removes
 the half-written ``*.tmp`` and stops the run with a message naming the folder.
 
+Cost: files are serialized straight to disk in threads and hashed from the
+same buffers as they are written (no second pass, no extra copy); torch.save's
+own per-record CRC32 is off (the sha256 covers every byte); deleting pruned
+checkpoints does not block. ``python bench.py --only checkpoint`` compares a
+save and a load with plain ``torch.save``/``torch.load``.
+
+Async (``checkpoint.async=true``): ``save`` copies the state into CPU buffers
+(reused between saves; page-locked, without waiting, from a GPU) and returns;
+a background thread writes the files and, on the main process, commits with
+the same protocol. The collectives (FSDP's state gathering, the barrier after
+the folder is made) stay in the main thread; the writer threads use none: each
+rank writes its ``rng_rank{r}.pt`` under a hidden name and renames it when
+complete, and the main process commits once every rank's file is there. At
+most one save is in flight: the next save and the end of the run wait for it
+(a stop signal too: the stop checkpoint is saved after it). A SIGKILL
+mid-write leaves a ``*.tmp`` folder, as above.
+
 Why not ``accelerator.save_state``: it writes straight into the final folder (a
 crash leaves a half-written checkpoint that looks complete), with
 ``total_limit`` it deletes the oldest checkpoint *before* writing the new one,
@@ -61,6 +78,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import functools
 import hashlib
 import io
 import json
@@ -73,6 +92,7 @@ import re
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -111,6 +131,8 @@ ALLOWED_CONFIG_CHANGES = (
     "trainer.log_every_n_steps",
     "trainer.eval_every_n_steps",
     "trainer.on_nan",
+    "trainer.compile",
+    "trainer.peak_tflops",
     "tracker",
     "checkpoint",
     "run_name",
@@ -122,7 +144,8 @@ ALLOWED_CONFIG_CHANGES = (
 )
 # Test hook, documented and inert unless set: ``CKPT_TEST_PAUSE_AT=POINT[@STEP]``
 # makes a save pause (sleep) at POINT (between_files, before_rename,
-# before_pointers, pruning) so a test can SIGKILL the process exactly there.
+# before_pointers, pruning) so a test can SIGKILL the process exactly there;
+# ``POINT[@STEP]+SECONDS`` pauses that long, then the save goes on.
 _PAUSE_ENV = "CKPT_TEST_PAUSE_AT"
 
 
@@ -153,6 +176,14 @@ class Position:
 
 
 # --- files: fsync, hashing, reading and verifying ------------------------------------
+
+
+@functools.cache
+def _threads(kind: str) -> ThreadPoolExecutor:
+    """Long-lived worker threads, one pool per ``kind`` ("io": writing files,
+    "hash": hashing; separate, so writers can wait for hashes without a
+    deadlock). Starting threads for every save would cost more than hashing."""
+    return ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"checkpoint-{kind}")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -245,16 +276,15 @@ def verify_files(
     wanted = list(files) if names is None else [n for n in names if n in files]
     parsed: dict[str, Any] = {}
     parse_error: CheckpointError | None = None
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        checks = [pool.submit(_check_file, ckpt, n, files[n]) for n in wanted]
-        for name in wanted if parse else []:
-            try:
-                parsed[name] = parse(name, ckpt / name)
-            except CheckpointError as err:
-                parse_error = err
-                break
-        for check in checks:
-            check.result()  # a hash problem explains a parse error: report it first
+    checks = [_threads("hash").submit(_check_file, ckpt, n, files[n]) for n in wanted]
+    for name in wanted if parse else []:
+        try:
+            parsed[name] = parse(name, ckpt / name)
+        except CheckpointError as err:
+            parse_error = err
+            break
+    for check in checks:
+        check.result()  # a hash problem explains a parse error: report it first
     if parse_error is not None:
         raise parse_error
     return parsed
@@ -300,10 +330,11 @@ def _pause_point(point: str, step: int) -> None:
     wanted = os.environ.get(_PAUSE_ENV)
     if not wanted:
         return
-    name, _, at = wanted.partition("@")
+    where, _, seconds = wanted.partition("+")
+    name, _, at = where.partition("@")
     if name == point and (not at or int(at) == step):
         print(f"CKPT_TEST_PAUSED {point} step {step}", file=sys.stderr, flush=True)
-        time.sleep(3600)
+        time.sleep(float(seconds or 3600))
 
 
 # --- RNG state as tensors and plain containers (so weights_only loading works) -------
@@ -434,6 +465,10 @@ class CheckpointManager:
         self._position = Position()  # of the last step boundary seen
         self._stop_checked_at: int | None = None  # step of the last stop all-reduce
         self._stop_seen = False
+        # checkpoint.async: stage in memory, write and commit in a background thread.
+        self.asynchronous = bool(self.ck.get("async", False))
+        self._stager = _Stager()
+        self._in_flight: _SaveJob | None = None  # at most one save
         if self.enabled:
             if accelerator.is_main_process:
                 self._remove_stale_tmp()
@@ -627,11 +662,13 @@ class CheckpointManager:
         )
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_optimizer_state_dict(self.model, self.optimizer.optimizer, options=options)
+        return get_optimizer_state_dict(
+            self._plain_model(), self.optimizer.optimizer, options=options
+        )
 
     def _load_model_and_optimizer(self, model_state: dict, optimizer_state: dict) -> None:
         if not self.accelerator.is_fsdp2:
-            self.accelerator.unwrap_model(self.model).load_state_dict(model_state)
+            self._plain_model().load_state_dict(model_state)
             self.optimizer.load_state_dict(optimizer_state)
             return
         from torch.distributed.checkpoint.state_dict import (
@@ -641,10 +678,15 @@ class CheckpointManager:
         )
 
         options = StateDictOptions(full_state_dict=True)  # every rank shards its copy
-        set_model_state_dict(self.model, model_state, options=options)
+        set_model_state_dict(self._plain_model(), model_state, options=options)
         set_optimizer_state_dict(
-            self.model, self.optimizer.optimizer, optimizer_state, options=options
+            self._plain_model(), self.optimizer.optimizer, optimizer_state, options=options
         )
+
+    def _plain_model(self) -> torch.nn.Module:
+        """The model without DDP's and torch.compile's wrappers: the parameter
+        names its class defines, with or without ``trainer.compile``."""
+        return self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
 
     def _set_aside_newer_than(self, step: int) -> None:
         """Checkpoints newer than the one resumed from (corrupted, or from an
@@ -666,6 +708,8 @@ class CheckpointManager:
         self._position = Position(step, epoch, batch)
         if not self.enabled:
             return None
+        if self._in_flight is not None and not self._in_flight.thread.is_alive():
+            self.wait()  # done: a failure surfaces now rather than at the next save
         reasons = []
         every_steps, every_epochs = self.ck.get("every_n_steps"), self.ck.get("every_n_epochs")
         if every_steps and step % every_steps == 0:
@@ -689,12 +733,20 @@ class CheckpointManager:
             if self._signal is not None:
                 if self.enabled and self._last_saved_step != step:
                     self.save(step, epoch, batch, ["signal"])
+                self._finish_async_save()
                 self._hand_signal_on()
                 raise TrainingInterrupted(self._signal, self.last_saved)
             if self.enabled and self.ck.get("save_last", True) and self._last_saved_step != step:
                 self.save(step, epoch, batch, ["last"])
+            self._finish_async_save()
         finally:
             self._restore_signal_handlers()
+
+    def _finish_async_save(self) -> None:
+        """Before the run ends: the save in flight is committed on every rank."""
+        if self.enabled and self.asynchronous:
+            self.wait()
+            self.accelerator.wait_for_everyone()  # the main process has committed
 
     def _is_new_best(self, step: int) -> bool:
         best_cfg = self.ck.get("save_best") or {}
@@ -719,107 +771,109 @@ class CheckpointManager:
         return True
 
     def save(self, step: int, epoch: int, batch: int, reasons: list[str]) -> Path:
-        """Write one checkpoint with the atomic protocol (module docstring)."""
+        """Write one checkpoint with the atomic protocol (module docstring).
+
+        With ``checkpoint.async`` this returns once the state is staged (copied
+        to CPU memory the training does not touch); a background thread writes
+        and commits it with the same protocol. One save at most is in flight:
+        the next ``save`` and ``finish`` wait for it first."""
+        self.wait()
         if self.guard is not None:
             self.guard.check(step)  # never save the state after a non-finite loss
         acc = self.accelerator
-        name = f"step_{step:07d}"
-        tmp, final = self.dir / f"{name}.tmp", self.dir / name
         new_best = self._pending_best if "best" in reasons else None
         self._pending_best = None
-        best = new_best or self.best
-        # Everything every rank must compute (collectives under FSDP/DeepSpeed).
-        model_state = acc.get_state_dict(self.model)
-        optimizer_state = self._optimizer_state()
+        # In the main thread on every rank: the collectives (FSDP gathers the
+        # state), staging, and the barrier once the folder exists.
+        job = self._stage(step, epoch, batch, reasons, new_best)
         failed: OSError | None = None
         try:
             if acc.is_main_process:
                 self.dir.mkdir(parents=True, exist_ok=True)
-                if tmp.exists():
-                    shutil.rmtree(tmp)
-                tmp.mkdir()
+                if job.tmp.exists():
+                    shutil.rmtree(job.tmp)
+                job.tmp.mkdir()
         except OSError as err:
             failed = err
         acc.wait_for_everyone()
-        files: dict[str, dict[str, Any]] = {}
-        try:
-            if failed is None:
-                _write_file(tmp / f"rng_rank{acc.process_index}.pt", _torch_bytes(rng_state()))
-                if acc.is_main_process:
-                    files = self._write_main_files(
-                        tmp, step, epoch, batch, model_state, optimizer_state, best
-                    )
-        except OSError as err:
-            failed = err
-        acc.wait_for_everyone()
-        try:
-            if acc.is_main_process and failed is None:
-                for r in range(acc.num_processes):  # other ranks fsynced their own file
-                    data = (tmp / f"rng_rank{r}.pt").read_bytes()
-                    files[f"rng_rank{r}.pt"] = {"sha256": _sha256(data), "size": len(data)}
-                manifest = {
-                    "format": FORMAT_VERSION,
-                    "step": step,
-                    "epoch": epoch,
-                    "batch": batch,
-                    "reasons": reasons,
-                    "metrics": dict(getattr(self.stateful.get("metrics"), "last", {})),
-                    "best": best,
-                    "world_size": acc.num_processes,
-                    "seed": self.config.get("seed"),
-                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                    "versions": _versions(),
-                    "files": dict(sorted(files.items())),
-                }
-                _write_file(tmp / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
-                _fsync_dir(tmp)
-                _pause_point("before_rename", step)
-                if final.exists():  # the same step again (e.g. after a fallback)
-                    old = final.with_name(f"{name}.replaced.tmp")
-                    os.replace(final, old)
-                    os.replace(tmp, final)
-                    shutil.rmtree(old, ignore_errors=True)
-                else:
-                    os.replace(tmp, final)  # the commit
-                _fsync_dir(self.dir)
-                _pause_point("before_pointers", step)
-                pointer = {"step": step, "path": name}
-                write_json_atomic(self.dir / "latest.json", pointer)
-                if new_best is not None:
-                    write_json_atomic(self.dir / "best.json", {**pointer, **new_best})
-                _fsync_dir(self.dir)
-        except OSError as err:
-            failed = err
-        if failed is not None:
-            if acc.is_main_process:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(
-                f"could not write checkpoint {name} in {self.dir}: {failed.strerror or failed} "
-                f"({failed.filename or ''}). Earlier checkpoints are intact; free disk space "
-                "or fix permissions, then restart the same command to resume."
-            ) from failed
         if new_best is not None:
             self.best = new_best
-        self.last_saved, self._last_saved_step = final, step
-        if acc.is_main_process:
-            self._prune()
+        self._last_saved_step = step
+        if self.asynchronous:
+            if failed is not None:  # no barrier follows: the other ranks write in background
+                shutil.rmtree(job.tmp, ignore_errors=True)
+                raise _write_error(job.name, self.dir, failed)
+            job.thread = threading.Thread(
+                target=self._write_in_background, args=(job,), name=f"checkpoint-{job.name}"
+            )
+            self._in_flight = job
+            job.thread.start()
+            return job.final
+        self._write_and_commit(job, failed, sync=True)
+        self.last_saved = job.final
         acc.wait_for_everyone()
-        log.info(f"checkpoint saved: {final} ({', '.join(reasons)})")
-        return final
+        log.info(f"checkpoint saved: {job.final} ({', '.join(reasons)})")
+        return job.final
 
-    def _write_main_files(
-        self,
-        tmp: Path,
-        step: int,
-        epoch: int,
-        batch: int,
-        model_state: dict[str, torch.Tensor],
-        optimizer_state: dict[str, Any],
-        best: dict[str, Any] | None,
-    ) -> dict[str, dict[str, Any]]:
-        """Serialize in memory, then write + fsync and hash each file in threads
-        (hashlib and file writes release the GIL, so hashing costs little time)."""
-        files: dict[str, dict[str, Any]] = {}
+    def wait(self) -> None:
+        """Block until the save in flight (``checkpoint.async``) is written and,
+        on the main process, committed; raise CheckpointError if it failed."""
+        job, self._in_flight = self._in_flight, None
+        if job is None:
+            return
+        job.thread.join()
+        if isinstance(job.error, CheckpointError):
+            raise job.error
+        if job.error is not None:
+            raise CheckpointError(f"checkpoint {job.name} failed: {job.error!r}") from job.error
+        self.last_saved = job.final
+
+    def _stage(
+        self, step: int, epoch: int, batch: int, reasons: list[str], new_best: dict | None
+    ) -> _SaveJob:
+        """Everything a checkpoint holds, taken now: tensors (main process:
+        model, optimizer; copied when async) and small files as bytes."""
+        acc = self.accelerator
+        name = f"step_{step:07d}"
+        best = new_best or self.best
+        model_state = acc.get_state_dict(self._plain_model())  # collectives under FSDP
+        optimizer_state = self._optimizer_state()
+        blobs = {f"rng_rank{acc.process_index}.pt": _torch_bytes(rng_state())}
+        tensors: dict[str, Any] = {}
+        if acc.is_main_process:
+            tensors = {"model.safetensors": model_state, "optimizer.pt": optimizer_state}
+            blobs.update(self._small_files(step, epoch, batch, best))
+        job = _SaveJob(
+            name=name,
+            step=step,
+            tmp=self.dir / f"{name}.tmp",
+            final=self.dir / name,
+            reasons=reasons,
+            new_best=new_best,
+            best=best,
+            manifest={
+                "format": FORMAT_VERSION,
+                "step": step,
+                "epoch": epoch,
+                "batch": batch,
+                "reasons": reasons,
+                "metrics": dict(getattr(self.stateful.get("metrics"), "last", {})),
+                "best": best,
+                "world_size": acc.num_processes,
+                "seed": self.config.get("seed"),
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "versions": _versions(),
+            },
+            tensors=tensors,
+            blobs=blobs,
+        )
+        if self.asynchronous:  # training goes on and changes the live tensors
+            job.tensors, job.copied = self._stager.copy(tensors)
+        return job
+
+    def _small_files(
+        self, step: int, epoch: int, batch: int, best: dict[str, Any] | None
+    ) -> dict[str, bytes | memoryview]:
         trainer_state = {
             "step": step,
             "epoch": epoch,
@@ -834,30 +888,123 @@ class CheckpointManager:
         }
         if self.guard is not None:
             trainer_state["loss_guard"] = self.guard.state_dict()
-        with ThreadPoolExecutor(max_workers=4) as pool:
-            futures = {}
+        blobs = {"scheduler.pt": _torch_bytes(self.scheduler.state_dict())}
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None:
+            blobs["scaler.pt"] = _torch_bytes(scaler.state_dict())
+        blobs["trainer_state.json"] = (json.dumps(trainer_state, indent=2) + "\n").encode()
+        blobs["config.json"] = (json.dumps(self.config, indent=2) + "\n").encode()
+        return blobs
 
-            def submit(fname: str, data: bytes | memoryview) -> None:
-                futures[fname] = (
-                    pool.submit(_write_file, tmp / fname, data),
-                    pool.submit(_sha256, data),
-                    len(data),
-                )
+    def _write_in_background(self, job: _SaveJob) -> None:
+        try:
+            self._write_and_commit(job, None, sync=False)
+        except BaseException as err:  # handed to the main thread by wait()
+            job.error = err
+            log.error(f"checkpoint {job.name} failed in the background: {err}")
+            return
+        if self.accelerator.is_main_process:
+            log.info(f"checkpoint saved: {job.final} ({', '.join(job.reasons)}; async)")
 
-            tensors = _unshared(model_state)
-            submit("model.safetensors", save_safetensors(tensors, metadata={"step": str(step)}))
-            _pause_point("between_files", step)  # the model file written or in flight
-            submit("optimizer.pt", _torch_bytes(optimizer_state))
-            submit("scheduler.pt", _torch_bytes(self.scheduler.state_dict()))
-            scaler = getattr(self.accelerator, "scaler", None)
-            if scaler is not None:
-                submit("scaler.pt", _torch_bytes(scaler.state_dict()))
-            submit("trainer_state.json", (json.dumps(trainer_state, indent=2) + "\n").encode())
-            submit("config.json", (json.dumps(self.config, indent=2) + "\n").encode())
-            for fname, (written, digest, size) in futures.items():
-                written.result()
-                files[fname] = {"sha256": digest.result(), "size": size}
-        return files
+    def _write_and_commit(self, job: _SaveJob, failed: OSError | None, sync: bool) -> None:
+        """Every rank writes its files into ``job.tmp``; then the main process
+        writes the manifest, commits (rename), replaces the pointers and prunes.
+
+        ``sync``: barriers between the two phases (main thread). Otherwise (a
+        background thread) no collectives at all: the main process waits for
+        each rank's file to appear (written under a hidden name, fsynced, then
+        renamed into place)."""
+        acc = self.accelerator
+        files: dict[str, dict[str, Any]] = {}
+        try:
+            if failed is None:
+                if job.copied is not None:
+                    job.copied.synchronize()  # the staging copies from the GPU have landed
+                rng_name = f"rng_rank{acc.process_index}.pt"
+                hidden = job.tmp / f".{rng_name}.part"
+                _write_file(hidden, job.blobs.pop(rng_name))
+                os.replace(hidden, job.tmp / rng_name)
+                if acc.is_main_process:
+                    files = self._write_main_files(job)
+        except OSError as err:
+            failed = err
+        if sync:
+            acc.wait_for_everyone()
+        try:
+            if acc.is_main_process and failed is None:
+                rank_files = [job.tmp / f"rng_rank{r}.pt" for r in range(acc.num_processes)]
+                if not sync:
+                    self._wait_for_files(rank_files)
+                for path in rank_files:  # other ranks fsynced their own file
+                    data = path.read_bytes()
+                    files[path.name] = {"sha256": _sha256(data), "size": len(data)}
+                manifest = {**job.manifest, "files": dict(sorted(files.items()))}
+                _write_file(job.tmp / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+                _fsync_dir(job.tmp)
+                _pause_point("before_rename", job.step)
+                if job.final.exists():  # the same step again (e.g. after a fallback)
+                    old = job.final.with_name(f"{job.name}.replaced.tmp")
+                    os.replace(job.final, old)
+                    os.replace(job.tmp, job.final)
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    os.replace(job.tmp, job.final)  # the commit
+                _fsync_dir(self.dir)
+                _pause_point("before_pointers", job.step)
+                pointer = {"step": job.step, "path": job.name}
+                write_json_atomic(self.dir / "latest.json", pointer)
+                if job.new_best is not None:
+                    write_json_atomic(self.dir / "best.json", {**pointer, **job.new_best})
+                _fsync_dir(self.dir)
+        except OSError as err:
+            failed = err
+        if failed is not None:
+            if acc.is_main_process:
+                shutil.rmtree(job.tmp, ignore_errors=True)
+            raise _write_error(job.name, self.dir, failed) from failed
+        if acc.is_main_process:
+            self._prune(job.step, job.best)
+
+    def _wait_for_files(self, paths: list[Path]) -> None:
+        """Async saves under several processes: until every rank's file exists."""
+        timeout = float((self.config.get("parallel") or {}).get("timeout_s") or 1800)
+        deadline = time.monotonic() + timeout
+        while not all(p.exists() for p in paths):
+            if not threading.main_thread().is_alive():  # the run failed: nothing to wait for
+                raise TimeoutError(f"the run ended before every rank wrote {paths[0].parent}")
+            if time.monotonic() > deadline:
+                missing = ", ".join(p.name for p in paths if not p.exists())
+                raise TimeoutError(f"after {timeout:.0f} s still missing: {missing}")
+            time.sleep(0.01)
+
+    def _write_main_files(self, job: _SaveJob) -> dict[str, dict[str, Any]]:
+        """Serialize and write + fsync every main-process file, in threads. Each
+        file is hashed from the same buffers as they are written (hashlib and
+        file writes release the GIL), so hashing costs little time and no copy."""
+        model_state, optimizer_state = job.tensors["model.safetensors"], job.tensors["optimizer.pt"]
+        writers = _threads("io")
+
+        def write(fname: str, serialize: Callable[[_HashingWriter], Any]) -> dict[str, Any]:
+            with _HashingWriter(job.tmp / fname, _threads("hash")) as out:
+                serialize(out)
+            return out.entry
+
+        futures = {
+            "model.safetensors": writers.submit(
+                write,
+                "model.safetensors",
+                lambda out: out.write(
+                    save_safetensors(_unshared(model_state), metadata={"step": str(job.step)})
+                ),
+            )
+        }
+        _pause_point("between_files", job.step)  # the model file written or in flight
+        futures["optimizer.pt"] = writers.submit(
+            write, "optimizer.pt", lambda out: _torch_save(optimizer_state, out)
+        )
+        for fname, data in job.blobs.items():
+            futures[fname] = writers.submit(write, fname, lambda out, d=data: out.write(d))
+        return {fname: future.result() for fname, future in futures.items()}
 
     # --- housekeeping (main process) ----------------------------------------------------
 
@@ -873,25 +1020,132 @@ class CheckpointManager:
         for path in self.dir.glob(".*.tmp"):
             path.unlink(missing_ok=True)
 
-    def _prune(self) -> None:
+    def _prune(self, step: int, best: dict[str, Any] | None) -> None:
         """Keep the ``keep_last`` newest plus the best; runs only after a commit."""
         keep_last = max(2, int(self.ck.get("keep_last", 3)))
         ckpts = committed_checkpoints(self.dir)
         keep = {p.name for p in ckpts[-keep_last:]}
-        if self.best is not None:
-            keep.add(f"step_{self.best['step']:07d}")
+        if best is not None:
+            keep.add(f"step_{best['step']:07d}")
         for ckpt in ckpts[:-1]:  # never the newest
             if ckpt.name not in keep:
                 # Rename first (atomic), then delete: a crash mid-delete leaves a
                 # *.tmp folder (removed at the next start), never a half checkpoint.
                 doomed = ckpt.with_name(f"{ckpt.name}.pruned.tmp")
                 os.replace(ckpt, doomed)
-                _pause_point("pruning", self._last_saved_step)
-                shutil.rmtree(doomed, ignore_errors=True)
+                _pause_point("pruning", step)
+                # Deleting large files takes a while; nothing waits for it.
+                _threads("io").submit(shutil.rmtree, doomed, ignore_errors=True)
 
 
 class ConfigMismatch(CheckpointError):
     """The checkpoint belongs to a run with an incompatible config (no fallback)."""
+
+
+def _write_error(name: str, root: Path, failed: OSError) -> CheckpointError:
+    return CheckpointError(
+        f"could not write checkpoint {name} in {root}: {failed.strerror or failed} "
+        f"({failed.filename or ''}). Earlier checkpoints are intact; free disk space or fix "
+        "permissions, then restart the same command to resume."
+    )
+
+
+@dataclass
+class _SaveJob:
+    """One checkpoint on its way to disk: what it holds, staged, and (async)
+    the thread writing it."""
+
+    name: str
+    step: int
+    tmp: Path
+    final: Path
+    reasons: list[str]
+    new_best: dict[str, Any] | None
+    best: dict[str, Any] | None
+    manifest: dict[str, Any]  # all but "files"
+    tensors: dict[str, Any]  # file name -> state holding tensors (main process)
+    blobs: dict[str, bytes | memoryview]  # file name -> serialized small file
+    copied: Any = None  # a CUDA event: the staging copies have landed
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+
+class _Stager:
+    """Copies a state (nested dicts/lists of tensors) into CPU buffers that the
+    training never touches, reusing the buffers of the previous save (no new
+    allocations, no page faults). From a GPU: into page-locked memory, without
+    waiting (the returned CUDA event says when the copies have landed)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def copy(self, tree: Any) -> tuple[Any, Any]:
+        on_gpu = []
+        copied = self._copy(tree, (), on_gpu)
+        event = None
+        if on_gpu:
+            event = torch.cuda.Event()
+            event.record()
+        return copied, event
+
+    def _copy(self, tree: Any, path: tuple, on_gpu: list) -> Any:
+        if isinstance(tree, torch.Tensor):
+            tensor = tree.detach()
+            buffer = self._buffers.get(path)
+            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                pin = tensor.device.type == "cuda"
+                buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+                self._buffers[path] = buffer
+            if tensor.device.type == "cuda":
+                on_gpu.append(path)
+            buffer.copy_(tensor, non_blocking=True)
+            return buffer
+        if isinstance(tree, dict):
+            return {k: self._copy(v, (*path, k), on_gpu) for k, v in tree.items()}
+        if isinstance(tree, list | tuple):
+            return type(tree)(self._copy(v, (*path, i), on_gpu) for i, v in enumerate(tree))
+        return copy.deepcopy(tree)
+
+
+class _HashingWriter:
+    """A file being written that hashes what passes through it, from the same
+    buffers: large ones are hashed in ``hashers`` while this thread writes them
+    (hashlib and file writes release the GIL), so hashing adds little time. On
+    exit (no error) the file is fsynced; ``entry`` is its manifest entry."""
+
+    def __init__(self, path: Path, hashers: ThreadPoolExecutor) -> None:
+        self._file = open(path, "wb")  # noqa: SIM115 (closed by __exit__)
+        self._digest = hashlib.sha256()
+        self._hashers = hashers
+        self._size = 0
+        self.entry: dict[str, Any] = {}
+
+    def write(self, data: bytes | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        if view.nbytes >= 1 << 20:
+            hashed = self._hashers.submit(self._digest.update, view)
+            self._file.write(view)
+            hashed.result()
+        else:
+            self._digest.update(view)
+            self._file.write(view)
+        self._size += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def __enter__(self) -> _HashingWriter:
+        return self
+
+    def __exit__(self, error_type: Any, *_: Any) -> None:
+        try:
+            if error_type is None:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+                self.entry = {"sha256": self._digest.hexdigest(), "size": self._size}
+        finally:
+            self._file.close()
 
 
 def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -910,9 +1164,24 @@ def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _torch_save(obj: Any, out: Any) -> None:
+    """torch.save without its per-record CRC32: the manifest's sha256 already
+    covers every byte (torch.load reads such files as usual)."""
+    get_crc32 = getattr(torch.serialization, "get_crc32_options", None)  # torch >= 2.5
+    if get_crc32 is None:
+        torch.save(obj, out)
+        return
+    before = get_crc32()
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(obj, out)
+    finally:
+        torch.serialization.set_crc32_options(before)
+
+
 def _torch_bytes(obj: Any) -> memoryview:
     buf = io.BytesIO()
-    torch.save(obj, buf)
+    _torch_save(obj, buf)
     return buf.getbuffer()
 
 

@@ -85,7 +85,15 @@ RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("data.val_batch_size", _positive_int, "an integer >= 1"),
     ("data.num_workers", _non_negative_int, "an integer >= 0"),
     ("data.val_fraction", _fraction, "a number between 0 and 1 (exclusive)"),
+    ("data.seq_len", _positive_int, "an integer >= 1"),
+    ("data.vocab_size", lambda v: _is_int(v) and v >= 2, "an integer >= 2"),
+    ("data.branching", _positive_int, "an integer >= 1 (and <= data.vocab_size)"),
+    ("data.num_train", _positive_int, "an integer >= 1"),
+    ("data.num_val", _positive_int, "an integer >= 1"),
     ("model.dropout", lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    ("model.n_layer", _positive_int, "an integer >= 1"),
+    ("model.n_head", _positive_int, "an integer >= 1"),
+    ("model.d_model", _positive_int, "an integer >= 1"),
     ("scheduler.warmup_steps", _non_negative_int, "an integer >= 0"),
     ("scheduler.min_lr_ratio", lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
     ("trainer.max_epochs", _optional_positive_int, "an integer >= 1 or null"),
@@ -93,6 +101,8 @@ RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("trainer.grad_accum_steps", _positive_int, "an integer >= 1"),
     ("trainer.grad_clip_norm", _optional_positive_number, "a number > 0 or null (no clipping)"),
     ("trainer.mixed_precision", _mixed_precision, "one of " + ", ".join(MIXED_PRECISION)),
+    ("trainer.compile", _bool, "true or false"),
+    ("trainer.peak_tflops", _optional_positive_number, "a number > 0 or null"),
     ("trainer.log_every_n_steps", _positive_int, "an integer >= 1"),
     ("trainer.eval_every_n_steps", _optional_positive_int, "an integer >= 1 or null (each epoch)"),
     ("trainer.monitor_mode", lambda v: v in ("min", "max"), "min or max"),
@@ -109,6 +119,7 @@ RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("checkpoint.save_best.mode", lambda v: v in ("min", "max"), "min or max"),
     ("checkpoint.save_last", _bool, "true or false"),
     ("checkpoint.save_on_signal", _bool, "true or false"),
+    ("checkpoint.async", _bool, "true or false"),
     (
         "checkpoint.resume",
         _resume,
@@ -138,6 +149,17 @@ def check_config(cfg: DictConfig) -> None:
         problems.append("trainer.max_epochs and trainer.max_steps are both null: set at least one")
     if cfg.preflight.get("only", False) and not cfg.preflight.get("enabled", False):
         problems.append("preflight.only=true with preflight=off: use preflight=default")
+    model, data = cfg.get("model", {}), cfg.get("data", {})
+    d_model, n_head = model.get("d_model"), model.get("n_head")
+    if _positive_int(d_model) and _positive_int(n_head) and d_model % n_head:
+        problems.append(
+            f"model.d_model={d_model} is not allowed: expected a multiple of model.n_head={n_head}"
+        )
+    branching, vocab = data.get("branching"), data.get("vocab_size")
+    if _positive_int(branching) and _is_int(vocab) and branching > vocab:
+        problems.append(
+            f"data.branching={branching} is not allowed: expected at most data.vocab_size={vocab}"
+        )
     if cfg.parallel.mode == "deepspeed" and cfg.checkpoint.get("enabled", False):
         # DeepSpeed's optimizer state holds Python objects (enums, loss-scaler
         # state) that torch.load(weights_only=True) refuses: no safe resume.

@@ -1,4 +1,5 @@
-"""The example task's data: the 8x8 handwritten digits shipped in ``assets/``.
+"""The example tasks' data: the 8x8 handwritten digits shipped in ``assets/``
+(``data=digits``), and synthetic token sequences for the GPT example (``data=tokens``).
 
 ``assets/digits.csv.gz`` is the UCI "Optical Recognition of Handwritten Digits"
 test set (1797 images, 64 pixels in 0..16, then the label; CC BY 4.0, E. Alpaydin
@@ -47,7 +48,7 @@ def digits(
     val_fraction: float = 0.2,
     split_seed: int = 0,
     num_workers: int = 0,
-    pin_memory: bool = False,
+    pin_memory: bool | None = None,
 ) -> DataLoaders:
     """Train/validation loaders over a fixed split (``split_seed``, not ``seed``,
     so validation scores compare across training seeds)."""
@@ -55,14 +56,95 @@ def digits(
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(split_seed))
     n_val = round(len(labels) * val_fraction)
     val_idx, train_idx = order[:n_val], order[n_val:]
+    return _loaders(
+        TensorDataset(images[train_idx], labels[train_idx]),
+        TensorDataset(images[val_idx], labels[val_idx]),
+        batch_size,
+        val_batch_size,
+        seed,
+        num_workers,
+        pin_memory,
+    )
+
+
+def markov_language(vocab_size: int, branching: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A fixed random "language": each token has ``branching`` possible next
+    tokens with random probabilities. Returns (successors, cumulative probabilities)."""
+    rng = np.random.default_rng(seed)
+    successors = np.stack(
+        [rng.choice(vocab_size, branching, replace=False) for _ in range(vocab_size)]
+    )
+    probs = rng.dirichlet(np.ones(branching), size=vocab_size)
+    return successors, np.cumsum(probs, axis=1)
+
+
+def copy_task_sequences(
+    count: int, length: int, language: tuple[np.ndarray, np.ndarray], seed: int
+) -> torch.Tensor:
+    """``count`` sequences of ``length`` tokens (int64): a walk through the
+    language, then that walk repeated. Both halves are learnable: the first from
+    the transition statistics (loss falls toward their entropy), the repeat only
+    by attending back to the first half (loss falls toward 0)."""
+    successors, cumulative = language
+    rng = np.random.default_rng(seed)
+    half = (length + 1) // 2
+    walk = np.empty((count, half), dtype=np.int64)
+    walk[:, 0] = rng.integers(len(successors), size=count)
+    for t in range(1, half):
+        pick = (rng.random((count, 1)) > cumulative[walk[:, t - 1]]).sum(axis=1)
+        walk[:, t] = successors[walk[:, t - 1], np.minimum(pick, successors.shape[1] - 1)]
+    return torch.from_numpy(np.concatenate([walk, walk], axis=1)[:, :length])
+
+
+def tokens(
+    batch_size: int,
+    seed: int,
+    seq_len: int = 128,
+    vocab_size: int = 256,
+    branching: int = 4,
+    num_train: int = 8192,
+    num_val: int = 512,
+    data_seed: int = 0,
+    val_batch_size: int = 64,
+    num_workers: int = 0,
+    pin_memory: bool | None = None,
+) -> DataLoaders:
+    """Next-token prediction on synthetic sequences, generated in memory from
+    ``data_seed`` (numpy's PCG64: the same tokens on every machine, no download).
+    Inputs are ``seq_len`` tokens, targets the same sequence shifted by one."""
+    language = markov_language(vocab_size, branching, data_seed)
+    train_seq = copy_task_sequences(num_train, seq_len + 1, language, data_seed + 1)
+    val_seq = copy_task_sequences(num_val, seq_len + 1, language, data_seed + 2)
+    return _loaders(
+        TensorDataset(train_seq[:, :-1], train_seq[:, 1:]),
+        TensorDataset(val_seq[:, :-1], val_seq[:, 1:]),
+        batch_size,
+        val_batch_size,
+        seed,
+        num_workers,
+        pin_memory,
+    )
+
+
+def _loaders(
+    train_set: TensorDataset,
+    val_set: TensorDataset,
+    batch_size: int,
+    val_batch_size: int,
+    seed: int,
+    num_workers: int,
+    pin_memory: bool | None,
+) -> DataLoaders:
     common = {
         "num_workers": num_workers,
-        "pin_memory": pin_memory,
+        # Page-locked batches make the copy to the GPU asynchronous (accelerate
+        # moves them with non_blocking=True); pointless without a GPU.
+        "pin_memory": torch.cuda.is_available() if pin_memory is None else pin_memory,
         "worker_init_fn": seed_worker,
-        "persistent_workers": num_workers > 0,
+        "persistent_workers": num_workers > 0,  # no worker start-up every epoch
     }
     train = DataLoader(
-        TensorDataset(images[train_idx], labels[train_idx]),
+        train_set,
         batch_size=batch_size,
         shuffle=True,
         drop_last=False,
@@ -72,7 +154,7 @@ def digits(
         **common,
     )
     val = DataLoader(
-        TensorDataset(images[val_idx], labels[val_idx]),
+        val_set,
         batch_size=val_batch_size,
         shuffle=False,
         generator=torch.Generator().manual_seed(seed),

@@ -14,10 +14,13 @@ import re
 
 import torch
 
-# (device name pattern, TFLOPS per precision), from NVIDIA's data sheets, dense.
+# (device name pattern, TFLOPS per precision), from the vendors' data sheets, dense.
 # The first match wins: specific names come before the general ones.
 # tf32 is what fp32 matmuls reach when TF32 is allowed (torch.set_float32_matmul_precision).
 PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
+    (r"B200", {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 80.0}),
+    (r"GH200", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    (r"MI300X", {"bf16": 1307.4, "fp16": 1307.4, "tf32": 653.7, "fp32": 163.4}),  # AMD, ROCm
     (r"H200 NVL", {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0}),
     (r"H200", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
     (r"H100 NVL", {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0}),
@@ -42,8 +45,13 @@ def compute_precision(mixed_precision: str | bool) -> str:
     return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
-def peak_flops(device: torch.device, mixed_precision: str | bool) -> tuple[float | None, str]:
-    """(peak FLOP/s of one device, its description), or (None, why there is none)."""
+def peak_flops(
+    device: torch.device, mixed_precision: str | bool, peak_tflops: float | None = None
+) -> tuple[float | None, str]:
+    """(peak FLOP/s of one device, its description), or (None, why there is none).
+    ``peak_tflops`` (``trainer.peak_tflops``) overrides the table."""
+    if peak_tflops:
+        return peak_tflops * 1e12, f"trainer.peak_tflops {peak_tflops:g} TFLOPS"
     if device.type != "cuda":
         return None, f"no peak-FLOPs figure for {device.type.upper()} devices"
     return peak_for_name(torch.cuda.get_device_name(device), compute_precision(mixed_precision))
@@ -63,10 +71,16 @@ class MFU:
     """``perf/mfu`` from a samples/s figure, when the model declares its FLOPs
     per sample and the device has a peak in the table; otherwise nothing."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, mixed_precision: str | bool):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        mixed_precision: str | bool,
+        peak_tflops: float | None = None,
+    ):
         declared = getattr(model, "flops_per_sample", None)
         self.flops_per_sample = float(declared()) if callable(declared) else None
-        self.peak, self.peak_note = peak_flops(device, mixed_precision)
+        self.peak, self.peak_note = peak_flops(device, mixed_precision, peak_tflops)
 
     @property
     def reason_missing(self) -> str | None:

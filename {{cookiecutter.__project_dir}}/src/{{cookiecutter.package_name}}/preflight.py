@@ -342,7 +342,14 @@ def _round_trip_and_timing(
         why = "not run under DeepSpeed: its state cannot be saved and restored safely"
         return RoundTrip(Check("checkpoint", "warn", why), Timing(error=why))
     config = OmegaConf.to_container(cfg, resolve=True)
-    config["checkpoint"] = {**config["checkpoint"], "enabled": True, "save_on_signal": False}
+    # Synchronous scratch saves even with checkpoint.async: the round trip reads them
+    # back at once (and the ETA counts a full save, an upper bound for async runs).
+    config["checkpoint"] = {
+        **config["checkpoint"],
+        "enabled": True,
+        "save_on_signal": False,
+        "async": False,
+    }
     temp = CheckpointManager(
         OmegaConf.create(config),
         scratch,
@@ -821,7 +828,12 @@ def check_speed(
     remaining = total_steps - start_step
     eta = remaining * t.step_s + len(evals) * t.eval_s + len(saves) * save_s
     rt.steps_per_sec, rt.eta_s = steps_per_sec, eta
-    mfu = MFU(acc.unwrap_model(ckpt.model), acc.device, cfg.trainer.mixed_precision)
+    mfu = MFU(
+        acc.unwrap_model(ckpt.model),
+        acc.device,
+        cfg.trainer.mixed_precision,
+        cfg.trainer.get("peak_tflops"),
+    )
     value = mfu.of(samples_per_sec, acc.num_processes)
     mfu_text = (
         f"MFU {value:.1%} ({mfu.peak_note})"
