@@ -233,15 +233,17 @@ def bench_loops(args, overrides: list[str], work: Path, results: dict) -> None:
         "trainer.log_every_n_steps=10",
         "preflight=off",  # its checks run real steps before the loop: timed on their own
     ]
+    config = compose([*overrides, *common])
+    tracked = f"ours, tracker=[{','.join(args.trackers)}]"
     variants = {}
-    if {"loop", "startup"} & set(args.only):
-        variants["ours"] = []
+    if {"loop", "startup"} & set(args.only) or (
+        "log" in args.only and sorted(config["tracker"]) == sorted(args.trackers)
+    ):
+        variants["ours"] = []  # the defaults; when they are --trackers, that run serves both
     if "log" in args.only:
         variants["ours, tracker=none"] = ["tracker=none"]
-        variants[f"ours, tracker=[{','.join(args.trackers)}]"] = [
-            f"tracker=[{','.join(args.trackers)}]"
-        ]
-    config = compose([*overrides, *common])
+        if "ours" not in variants or sorted(config["tracker"]) != sorted(args.trackers):
+            variants[tracked] = [f"tracker=[{','.join(args.trackers)}]"]
     runs: dict[str, list[dict]] = {name: [] for name in [*variants, "bare"]}
     for round_ in range(args.repeats):
         order = [*variants, "bare"]
@@ -281,11 +283,11 @@ def bench_loops(args, overrides: list[str], work: Path, results: dict) -> None:
         results["ours_first_step_s"] = med("ours", "first_step_s")
         results["bare_first_step_s"] = med("bare", "first_step_s")
     if "log" in args.only:
-        names = list(variants)[-2:]
-        none, tracked = (med(n, "steps_per_sec") for n in names)
-        results["log_overhead"] = 1 - tracked / none
+        none = med("ours, tracker=none", "steps_per_sec")
+        with_trackers = med(tracked if tracked in runs else "ours", "steps_per_sec")
+        results["log_overhead"] = 1 - with_trackers / none
         results["tracker_none_steps_per_sec"] = none
-        results["trackers_steps_per_sec"] = tracked
+        results["trackers_steps_per_sec"] = with_trackers
 
 
 def bench_checkpoint(args, overrides: list[str], work: Path, results: dict) -> None:

@@ -178,6 +178,7 @@ def test_gpt_example_compiled_trains_on_cpu_and_reports_tokens_and_mfu(train_run
     run = train_run(
         *TINY_GPT,
         "trainer.compile=true",
+        "data.val_batch_size=16",  # the training shape: no recompiling for another one
         "trainer.max_steps=60",
         "trainer.log_every_n_steps=10",
         "trainer.eval_every_n_steps=30",
@@ -208,7 +209,11 @@ def test_gpt_example_compiled_trains_on_cpu_and_reports_tokens_and_mfu(train_run
     assert set(run.summary["metrics"]) >= {"perf/tokens_per_sec", "perf/mfu"}
     # Its checkpoint resumes without compiling (trainer.compile may change on resume).
     eager = run_train(
-        run.run_dir, *TINY_GPT, "trainer.max_steps=70", "trainer.eval_every_n_steps=30"
+        run.run_dir,
+        *TINY_GPT,
+        "data.val_batch_size=16",
+        "trainer.max_steps=70",
+        "trainer.eval_every_n_steps=30",
     )
     assert f"resumed from {run.run_dir / 'checkpoints' / 'step_0000060'}" in eager.output
     assert eager.summary["step"] == 70 and "start tracing forward" not in eager.output
