@@ -283,11 +283,11 @@ def test_default_bake_installs_and_passes_in_a_fresh_venv(baked, tmp_path):
 
     pip("torch==2.13.0")  # the CPU wheel first, as the project README says
     pip("-e", ".[dev,slurm,optuna]")  # dev brings the tracker extras: tensorboard, wandb, mlflow
-    # The deepspeed extra, the way the README says to install it without CUDA.
-    pip("--no-build-isolation", "deepspeed>=0.15", env={"DS_BUILD_OPS": "0"})
-    pip("-e", ".[deepspeed]")
-    # Everything, the slow tests included; the slowest 25 are listed in the log.
-    out = run_pytest(py, project, "--durations=25", env=clean_env)
+    # Everything but the slow tests, except those marked ci (fault injection, the
+    # accuracy run): the rest of the slow ones (20 teardowns, DeepSpeed, SIGUSR1, a
+    # compiled GPT, a SLURM time limit) do not fit CI's 30 minutes; run them with
+    # `pytest -m slow`. The slowest 25 are listed in the log.
+    out = run_pytest(py, project, "-m", "not slow or ci", "--durations=25", env=clean_env)
     (REPO / "build").mkdir(exist_ok=True)
     (REPO / "build" / "default-bake-pytest.log").write_text(out)
     assert "test_default_run_reaches_95_percent_in_under_a_minute" not in out  # not skipped/failed

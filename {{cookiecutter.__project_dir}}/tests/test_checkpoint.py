@@ -517,6 +517,7 @@ def test_cli_list_verify_export(reference, tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_sigkill_at_many_moments_always_resumes_to_the_same_weights(reference, tmp_path):
     """Up to 24 SIGKILLs (19 at pause points, 5 at random moments): during saves
     (between files, before the rename, before the pointers, while pruning) and

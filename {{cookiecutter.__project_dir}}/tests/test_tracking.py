@@ -349,6 +349,7 @@ def test_parallel_jobs_share_one_mlflow_store(tmp_path, env):
     assert experiment.artifact_location == str(store.parent / "mlflow-artifacts")
 
 
+@pytest.mark.slow
 def test_benchmark_script_prints_the_ratio(tmp_path, env):
     require_trackers("tensorboard")
     tiny = ["--steps", "20", "--repeats", "1", "--dir", str(tmp_path)]

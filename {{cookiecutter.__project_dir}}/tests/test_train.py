@@ -172,6 +172,7 @@ def test_deepspeed_with_checkpoints_is_refused_before_any_work(train_run):
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_default_run_reaches_95_percent_in_under_a_minute(train_run):
     run = train_run()  # every default, as `python train.py`
     summary = run.summary
