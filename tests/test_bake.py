@@ -252,9 +252,10 @@ def run_pytest(python: str, project: Path, *args: str, env: dict | None = None) 
 def test_baked_project_tests_pass_in_shared_env(baked, name):
     """The other bakes share this environment. They differ from the default bake in
     names, defaults and optional files, not in code: what a bake choice changes is
-    covered by the config tests (every option composes and builds), which run here. Everything else
-    (checkpoints, parallel, SLURM, sweeps, trackers, preflight, performance: the
-    same code paths) runs in the default bake only, which keeps CI in budget."""
+    covered by the config tests (every option composes and builds), which run
+    here. Everything else (training, checkpoints, parallel, SLURM, sweeps,
+    trackers, preflight, performance: the same code paths) runs in the default
+    bake only, which keeps CI in budget."""
     # No tracker packages here (the default bake's venv has them): their tests skip.
     env = {**os.environ, "PYTHONPATH": str(baked[name] / "src"), "TESTS_SKIP_MISSING_EXTRAS": "1"}
     # test_train.py runs only in the default bake: its bit-equality tests failed
