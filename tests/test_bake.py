@@ -115,6 +115,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         f"{pkg}/flops.py",
         f"{pkg}/gpt.py",
         f"{pkg}/launch.py",
+        f"{pkg}/logs.py",
         f"{pkg}/metrics.py",
         f"{pkg}/model.py",
         f"{pkg}/nonfinite.py",
@@ -136,6 +137,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "tests/test_tracking.py",
         "tests/test_train.py",
         "tests/test_parallel.py",
+        "tests/test_run_dir.py",
         "tests/test_sweeps.py",
         "tests/test_perf.py",
     }

@@ -4,6 +4,7 @@
     python train.py model=cnn optimizer.lr=3e-3      # override anything
     python train.py -m optimizer.lr=1e-3,1e-2 seed=1,2   # a sweep
     python train.py run_name=exp1                    # rerun after a crash: resumes in runs/exp1
+                                                     # (a finished run: reports it, changes nothing)
 
 Everything else (run directory, trackers, seeding, progress) lives in small
 modules under src/{{ cookiecutter.package_name }}/ that decide about ranks themselves.
@@ -12,13 +13,14 @@ modules under src/{{ cookiecutter.package_name }}/ that decide about ranks thems
 import logging
 import math
 import sys
-import time
 from pathlib import Path
 
 import hydra
 import torch
 import torch.nn.functional as F
 from accelerate import skip_first_batches
+from accelerate.utils import send_to_device
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -29,24 +31,30 @@ from {{ cookiecutter.package_name }}.checkpoint import (
     TrainingInterrupted,
 )
 from {{ cookiecutter.package_name }}.config_checks import ConfigError, check_config
-from {{ cookiecutter.package_name }}.launch import LaunchError, run, setup_rank_logging
+from {{ cookiecutter.package_name }}.launch import LaunchError, run, spans_nodes
+from {{ cookiecutter.package_name }}.logs import setup_rank_logging
 from {{ cookiecutter.package_name }}.metrics import MetricBook
 from {{ cookiecutter.package_name }}.nonfinite import LossGuard, NonFiniteLoss
 from {{ cookiecutter.package_name }}.perf import Throughput
 from {{ cookiecutter.package_name }}.preflight import PreflightFailed, run_preflight
-from {{ cookiecutter.package_name }}.progress import Progress
+from {{ cookiecutter.package_name }}.progress import Progress, RunClock
 from {{ cookiecutter.package_name }}.run_dir import (
+    check_shared_storage,
+    claim,
     hydra_run_dir,
     in_sweep,
     register_resolvers,
     resolve_config,
-    save_resolved_config,
+    uses_default_run_name,
     write_summary,
 )
 from {{ cookiecutter.package_name }}.seeding import same_on_every_rank, seed_everything
 from {{ cookiecutter.package_name }}.tracking import flatten_config, log_final_model, watch_model
 
 log = logging.getLogger("train")
+PROJECT_ROOT = Path(__file__).resolve().parent  # runs_root's default: <project root>/runs
+# What the loop logs itself; evaluate() adds the task's metrics (trainer.monitor picks one).
+TRAIN_METRICS = ("train/loss", "train/lr", "train/grad_norm", "train/epoch")
 
 
 def cross_entropy(logits: torch.Tensor, y: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -78,20 +86,51 @@ def evaluate(model, loader, accelerator) -> dict[str, float]:
     return {"val/loss": (loss_sum / count).item(), "val/acc": (correct / count).item()}
 
 
+def build(node: DictConfig, what: str):
+    """``instantiate(node)``; a target that cannot be built with these
+    arguments is a configuration error (exit 2) that names the group."""
+    try:
+        return instantiate(node)
+    except InstantiationException as err:
+        cause = err.__cause__
+        if isinstance(cause, FileNotFoundError) and cause.filename:
+            raise ConfigError(f"{what}: no such file or directory: {cause.filename}") from err
+        detail = str(cause) if cause is not None else str(err).splitlines()[0]
+        raise ConfigError(f"{what}: cannot build {node.get('_target_')}: {detail}") from err
+
+
+def check_monitor(monitor: str, model, val_loader, accelerator) -> None:
+    """Before the first step: trainer.monitor must be a metric the run logs.
+    One validation batch through evaluate() tells the task's metric names."""
+    dataset = val_loader.dataset
+    size = min(val_loader.batch_size or 1, len(dataset))
+    batch = send_to_device(
+        val_loader.collate_fn([dataset[i] for i in range(size)]), accelerator.device
+    )
+    names = sorted({*TRAIN_METRICS, *evaluate(model, [batch], accelerator)})
+    if monitor not in names and not monitor.startswith("perf/"):
+        raise ConfigError(
+            f"trainer.monitor={monitor!r} is not a logged metric; available: {', '.join(names)}"
+        )
+
+
 def train(cfg: DictConfig, run_dir: Path) -> float | None:
     """One process's training; runs on every rank (see launch.py). Returns the
     best value of trainer.monitor (None with preflight.only=true)."""
     # --- logging, accelerator, seeds -------------------------------------------------
-    setup_rank_logging(run_dir)
     accelerator = build_accelerator(cfg, run_dir)
+    # Every rank sees the dir the main process writes (a collective: after it, the
+    # main process has claimed the dir, so the other ranks may write there too).
+    check_shared_storage(run_dir, accelerator)
+    setup_rank_logging(run_dir)
     seed_everything(cfg.seed, cfg.deterministic)
     log.info(f"run dir: {run_dir}")
 
     # --- data, model, optimizer, schedule --------------------------------------------
-    loaders = instantiate(cfg.data)
+    loaders = build(cfg.data, "data")
     with same_on_every_rank(cfg.seed):
-        model = instantiate(cfg.model)
-    optimizer = instantiate(cfg.optimizer)(model.parameters())
+        model = build(cfg.model, "model")
+    optimizer = build(cfg.optimizer, "optimizer")(model.parameters())
     # samples/s, tokens/s and MFU for the logs (before prepare() wraps the model)
     throughput = Throughput(
         model, accelerator, cfg.trainer.mixed_precision, cfg.trainer.peak_tflops
@@ -102,7 +141,10 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     steps_per_epoch = math.ceil(len(train_loader) / cfg.trainer.grad_accum_steps)
     total_steps = cfg.trainer.max_steps or cfg.trainer.max_epochs * steps_per_epoch
     max_epochs = math.ceil(total_steps / steps_per_epoch)
-    scheduler = accelerator.prepare(instantiate(cfg.scheduler)(optimizer, total_steps=total_steps))
+    scheduler = accelerator.prepare(
+        build(cfg.scheduler, "scheduler")(optimizer, total_steps=total_steps)
+    )
+    check_monitor(cfg.trainer.monitor, model, loaders.val, accelerator)
     accelerator.init_trackers(cfg.project, config=flatten_config(OmegaConf.to_container(cfg)))
     watch_model(accelerator, model)  # W&B gradient/parameter histograms (tracker.wandb.watch)
     log.info(
@@ -113,6 +155,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
 
     # --- checkpoints: resume where an earlier run of this run dir stopped -------------
     book = MetricBook(cfg.trainer.monitor, cfg.trainer.monitor_mode)
+    clock = RunClock()  # training time of the whole run, across resumes
     guard = LossGuard(cfg.trainer.on_nan, accelerator)  # NaN/inf loss: stop or skip
     ckpt = CheckpointManager(
         cfg,
@@ -122,7 +165,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
         optimizer,
         scheduler,
         train_loader,
-        stateful={"metrics": book},  # saved in trainer_state.json
+        stateful={"metrics": book, "clock": clock},  # saved in trainer_state.json
         guard=guard,  # checked before every save: no checkpoint after a NaN
     )
     start_at = ckpt.resume()  # step/epoch/batch 0 unless resuming; restores every state
@@ -143,7 +186,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     loss_sum = torch.zeros((), device=accelerator.device)  # summed on device: no sync per step
     loss_count = 0
     grad_norm = torch.zeros(())
-    start = time.perf_counter()
+    clock.start()
     model.train()
     for epoch in range(start_at.epoch, max_epochs):
         if step == total_steps or ckpt.stop_requested:
@@ -201,13 +244,13 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     ckpt.finish()  # the last checkpoint; after a stop signal: exit (SLURM: requeue)
 
     # --- summary and final weights -----------------------------------------------------
-    wall = time.perf_counter() - start
+    wall = clock.elapsed()
     summary = {
         "step": step,
         "epoch": epoch + 1,
         "world_size": accelerator.num_processes,
-        "wall_time_s": round(wall, 3),
-        "steps_per_sec": round((step - start_at.step) / wall, 3),  # this process's steps
+        "wall_time_s": round(wall, 3),  # training time of the whole run (every attempt)
+        "steps_per_sec": round(step / wall, 3) if wall > 0 else 0.0,
         "metrics": book.last,
         "best": book.best(),
         "resumed_from": ckpt.resumed_from,  # null for a fresh start
@@ -229,14 +272,40 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     return book.best_value
 
 
+def launch(raw: DictConfig) -> float | None:
+    """Check the config, claim the run dir, train (here or in spawned workers)."""
+    cfg = resolve_config(raw)  # plain and resolved: no ${...}, no Hydra state needed
+    check_config(cfg)
+    if uses_default_run_name(raw) and spans_nodes(cfg.parallel):
+        raise ConfigError(
+            "a run on several nodes needs one run directory, but the default run_name is "
+            "each node's own launch time: give every node's command the same run_name=NAME "
+            "(or hydra.run.dir=DIR on storage every node shares)"
+        )
+    run_dir = hydra_run_dir()
+    with claim(run_dir, cfg, raw) as claimed:  # new, this run, finished, or refused
+        if claimed.kind == "finished":
+            best = claimed.summary["best"]
+            log.info(
+                f"{run_dir} is a finished run (step {claimed.summary['step']}, best "
+                f"{best['name']} {best['value']} at step {best['step']}): nothing to do, nothing "
+                "changed. Raise trainer.max_steps/max_epochs to continue it, or use another "
+                "run_name"
+            )
+            return best["value"]
+        try:
+            return run(train, cfg, run_dir)  # here, or in N spawned workers
+        except (ConfigError, LaunchError) as err:
+            if getattr(err, "exit_code", 1) == 2:  # could not even start: leave no half-made dir
+                claimed.discard()
+            raise
+
+
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> float | None:
+    register_resolvers(PROJECT_ROOT)  # again: SLURM job processes never ran __main__
     try:
-        cfg = resolve_config(cfg)  # plain and resolved: no ${...}, no Hydra state needed
-        check_config(cfg)
-        run_dir = hydra_run_dir()
-        save_resolved_config(cfg, run_dir)
-        return run(train, cfg, run_dir)  # here, or in N spawned workers
+        return launch(cfg)
     except (ConfigError, LaunchError, CheckpointError, NonFiniteLoss, PreflightFailed) as err:
         log.error(str(err))  # exit codes: 2 bad config, 1 failure, 3 NaN/inf loss
         if in_sweep():
@@ -248,5 +317,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    register_resolvers()
+    register_resolvers(PROJECT_ROOT)
     main()

@@ -106,7 +106,7 @@ def compose_cfg():
     """Compose ``configs/train.yaml`` with overrides, as ``python train.py`` would."""
 
     def _compose(*overrides: str, hydra_config: bool = False):
-        register_resolvers()  # as train.py does before @hydra.main
+        register_resolvers(PROJECT_ROOT)  # as train.py does before @hydra.main
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             return compose("train", overrides=list(overrides), return_hydra_config=hydra_config)
 

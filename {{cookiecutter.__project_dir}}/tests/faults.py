@@ -35,3 +35,9 @@ class ForgetsWeightsOnLoad(MLP):
 
     def load_state_dict(self, state_dict, strict=True, assign=False):
         return torch.nn.modules.module._IncompatibleKeys([], [])
+
+
+def data_from_a_missing_file(**kwargs):
+    """A data function whose file is missing: the error must name the path."""
+    with open("/no/such/file.csv") as f:
+        return f.read()

@@ -282,15 +282,19 @@ def test_resume_from_another_runs_checkpoint_and_never(reference, tmp_path):
     other = run_train(tmp_path / "other", *from_70)
     assert other.summary["resumed_from"] == str(ckpt_dir(ref, 70))
     assert_same_weights(other.run_dir, ref)
-    # The same command again continues this run (here: already finished at 80).
+    # The same command again: finished, so it is reported and nothing changes.
     again = run_train(other.run_dir, *from_70)
-    assert again.summary["resumed_from"] == str(ckpt_dir(other.run_dir, 80))
-    assert again.summary["step"] == 80 and "continuing this run from them" in again.output
-    assert_same_weights(other.run_dir, ref)
-    # never, in a run dir that has checkpoints: refused rather than mixing two runs.
-    # (In a new run dir it is a fresh start, as every other test's first run.)
+    assert "is a finished run (step 80" in again.output
+    assert again.summary["resumed_from"] == str(ckpt_dir(ref, 70))
+    # Longer: this run continues from its own checkpoints, not the path that started it.
+    longer = run_train(other.run_dir, *from_70, "trainer.max_steps=85")
+    assert longer.summary["resumed_from"] == str(ckpt_dir(other.run_dir, 80))
+    assert longer.summary["step"] == 85 and "continuing this run from them" in longer.output
+    # never, in a run dir that has checkpoints: refused rather than mixing two runs,
+    # before any work (exit 2). (In a new run dir it is a fresh start, as every
+    # other test's first run.)
     again = run_train(other.run_dir, *ARGS, "checkpoint.resume=never", check=False)
-    assert again.proc.returncode == 1
+    assert again.proc.returncode == 2
     assert "checkpoint.resume=never, but" in again.output and "Traceback" not in again.output
 
 

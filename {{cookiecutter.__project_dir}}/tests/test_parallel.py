@@ -32,8 +32,8 @@ def command(*overrides: str, launcher: list[str] = PYTHON) -> list[str]:
 
 
 def run(cwd: Path, *overrides: str, launcher: list[str] = PYTHON) -> subprocess.CompletedProcess:
-    """train.py under ``launcher`` in ``cwd``; its runs/ land there."""
-    cmd = command(*overrides, launcher=launcher)
+    """train.py under ``launcher`` in ``cwd``; its runs/ land in cwd/runs/."""
+    cmd = command(*overrides, f"runs_root={cwd / 'runs'}", launcher=launcher)
     return subprocess.run(
         cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=300, check=False
     )
@@ -42,7 +42,8 @@ def run(cwd: Path, *overrides: str, launcher: list[str] = PYTHON) -> subprocess.
 def start(cwd: Path, *overrides: str) -> subprocess.Popen:
     """train.py in the background (output discarded), to be signalled."""
     out = subprocess.DEVNULL
-    return subprocess.Popen(command(*overrides), cwd=cwd, env=ENV, stdout=out, stderr=out)
+    cmd = command(*overrides, f"runs_root={cwd / 'runs'}")
+    return subprocess.Popen(cmd, cwd=cwd, env=ENV, stdout=out, stderr=out)
 
 
 def ok(proc: subprocess.CompletedProcess) -> str:
@@ -115,16 +116,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_of_one_process_each(tmp_path):
-    run_dir = tmp_path / "shared-run-dir"  # on a cluster: a shared filesystem
-    port = free_port()
+def start_nodes(cwd: Path, run_dirs: list[Path], port: int, *overrides: str) -> list:
+    """Two "nodes" on this machine: one launcher each, one worker per node."""
     node = ["parallel=ddp", "parallel.num_processes=1", "parallel.num_nodes=2"]
-    node += ["parallel.master_addr=127.0.0.1", f"parallel.master_port={port}"]
-    node += [f"hydra.run.dir={run_dir}", *FAST]
-    nodes = [
+    node += ["parallel.master_addr=127.0.0.1", f"parallel.master_port={port}", *overrides]
+    return [
         subprocess.Popen(
-            command(*node, f"parallel.node_rank={rank}"),
-            cwd=tmp_path,
+            command(*node, f"parallel.node_rank={rank}", f"hydra.run.dir={run_dirs[rank]}"),
+            cwd=cwd,
             env=ENV,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -132,9 +131,58 @@ def test_two_nodes_of_one_process_each(tmp_path):
         )
         for rank in (0, 1)
     ]
-    outputs = [node.communicate(timeout=300)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], outputs
-    assert_two_rank_run(run_dir)
+
+
+# Two nodes with everything a user gets by default (preflight, checkpoints),
+# slow enough steps to be killed mid-run.
+NODES = [
+    "trainer.max_steps=40",
+    "trainer.log_every_n_steps=5",
+    "trainer.eval_every_n_steps=10",
+    "checkpoint.every_n_steps=10",
+    "tracker=csv",
+    "model._target_=tests.faults.Slow",
+]
+
+
+def test_two_nodes_run_and_resume_after_kill_9_bit_exactly(tmp_path):
+    """With default preflight; SIGKILL of both nodes mid-run, the same two
+    commands again: resumed, and the weights of an uninterrupted 2-node run."""
+    straight = tmp_path / "straight"  # on a cluster: a shared filesystem
+    nodes = start_nodes(tmp_path, [straight, straight], free_port(), *NODES)
+    outputs = [n.communicate(timeout=300)[0] for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outputs
+    assert_two_rank_run(straight)
+    assert (straight / "preflight.json").is_file()
+    expected = fingerprints(straight)["train.log"]
+
+    run_dir, port = tmp_path / "killed", free_port()
+    nodes = start_nodes(tmp_path, [run_dir, run_dir], port, *NODES)
+    try:
+        wait_for(run_dir / "checkpoints" / "step_0000020", timeout=240)
+    finally:
+        for n in nodes:
+            n.kill()
+            n.communicate()
+    assert not (run_dir / "summary.json").exists()
+    nodes = start_nodes(tmp_path, [run_dir, run_dir], port, *NODES)  # the same commands
+    outputs = [n.communicate(timeout=300)[0] for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outputs
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"] and summary["step"] == 40
+    assert fingerprints(run_dir) == {"train.log": expected, "train_rank1.log": expected}
+
+
+def test_node_local_run_dirs_stop_before_training_with_the_reason(tmp_path):
+    """Each node its own run dir (no shared storage): refused on both, nothing trained."""
+    dirs = [tmp_path / "node0" / "run", tmp_path / "node1" / "run"]
+    nodes = start_nodes(tmp_path, dirs, free_port(), *FAST)
+    outputs = [n.communicate(timeout=300)[0] for n in nodes]
+    assert [n.returncode for n in nodes] == [2, 2], outputs
+    assert "the run directory is not shared by every process: rank 1" in outputs[0]
+    assert "put the runs on shared storage" in outputs[0]
+    for d in dirs:
+        assert not (d / "checkpoints").exists() and not (d / "summary.json").exists()
 
 
 def test_a_failing_rank_fails_the_run_with_its_traceback(tmp_path):

@@ -161,7 +161,7 @@ def test_a_two_task_job_is_one_ddp_run(tmp_path, reference):
 
 def test_srun_in_a_batch_script_is_one_ddp_run(tmp_path, reference):
     """Without submitit's launcher: ``srun python train.py`` in your own sbatch script."""
-    train = f"srun {sys.executable} {TRAIN} {' '.join(TRAINING)}"
+    train = f"srun {sys.executable} {TRAIN} {' '.join(TRAINING)} runs_root={tmp_path / 'runs'}"
     sbatch = ["sbatch", "--parsable", "--wait", "-n", "2", "-c", "1", "--mem=1G"]
     out = subprocess.run(
         [*sbatch, f"--output={tmp_path}/slurm-%j.out", "--wrap", train],

@@ -20,11 +20,9 @@ from accelerate.utils import (
 )
 from omegaconf import DictConfig
 
-from .config_checks import ConfigError
+from .config_checks import PARALLEL_MODES, ConfigError
 from .launch import LaunchError, expected_world_size, under_launcher
 from .tracking import build_trackers
-
-PARALLEL_MODES = ("none", "ddp", "fsdp", "deepspeed")
 
 
 def build_accelerator(cfg: DictConfig, run_dir: Path) -> Accelerator:

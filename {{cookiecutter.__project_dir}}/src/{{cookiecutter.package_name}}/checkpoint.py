@@ -105,6 +105,7 @@ import torch
 from safetensors.torch import load_file as load_safetensors_file
 from safetensors.torch import save as save_safetensors
 
+from .config_checks import ALLOWED_CONFIG_CHANGES, config_differences
 from .run_dir import write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -121,27 +122,6 @@ REQUIRED_FILES = (
     "config.json",
 )
 EXIT_SIGNAL = {signal.SIGTERM: 143, signal.SIGUSR1: 138, signal.SIGUSR2: 140, signal.SIGINT: 130}
-# Config keys that may differ between a checkpoint and the run resuming it: run
-# length, cadence of logs/evals/checkpoints, trackers, loader workers (the data
-# order does not depend on them). Any other difference (model, data, optimizer,
-# schedule, seed, precision, ...) is refused. Edit this tuple to allow more.
-ALLOWED_CONFIG_CHANGES = (
-    "trainer.max_steps",
-    "trainer.max_epochs",
-    "trainer.log_every_n_steps",
-    "trainer.eval_every_n_steps",
-    "trainer.on_nan",
-    "trainer.compile",
-    "trainer.peak_tflops",
-    "tracker",
-    "checkpoint",
-    "run_name",
-    "project",
-    "preflight",
-    "data.num_workers",
-    "data.pin_memory",
-    "data.val_batch_size",
-)
 # Test hook, documented and inert unless set: ``CKPT_TEST_PAUSE_AT=POINT[@STEP]``
 # makes a save pause (sleep) at POINT (between_files, before_rename,
 # before_pointers, pruning) so a test can SIGKILL the process exactly there;
@@ -378,31 +358,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-# --- config compatibility ---------------------------------------------------------------
-
-
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        flat: dict[str, Any] = {}
-        for key, value in tree.items():
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        return flat
-    return {prefix.rstrip("."): tree}
-
-
-def config_differences(saved: dict, current: dict) -> list[str]:
-    """``key: old -> new`` for every difference outside ALLOWED_CONFIG_CHANGES."""
-    old, new = _flatten(saved), _flatten(current)
-    diffs = []
-    for key in sorted(set(old) | set(new)):
-        if old.get(key, "<absent>") == new.get(key, "<absent>"):
-            continue
-        if any(key == a or key.startswith(a + ".") for a in ALLOWED_CONFIG_CHANGES):
-            continue
-        diffs.append(f"{key}: {old.get(key, '<absent>')!r} -> {new.get(key, '<absent>')!r}")
-    return diffs
 
 
 def _versions() -> dict[str, str]:

@@ -70,6 +70,16 @@ def expected_world_size(parallel: DictConfig) -> int:
     return processes_per_node(parallel) * (1 if parallel.mode == "none" else parallel.num_nodes)
 
 
+def spans_nodes(parallel: DictConfig) -> bool:
+    """True when this run's processes are on more than one machine (outside
+    SLURM, whose job id names the run the same on every node)."""
+    if "SLURM_JOB_ID" in os.environ:
+        return False
+    if under_launcher():
+        return int(os.environ.get("WORLD_SIZE", "1")) > int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return parallel.mode != "none" and int(parallel.get("num_nodes", 1)) > 1
+
+
 def slurm_task_count() -> int:
     """Tasks in the SLURM job step this process belongs to; 0 outside one.
     (A batch script is not a step: ``python train.py`` in it is one process.)"""
@@ -199,29 +209,3 @@ def _die_with_parent() -> None:
     libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() == 1:  # the launcher was already gone before prctl
         os._exit(1)
-
-
-LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - rank %(rank)s - %(message)s"
-
-
-def setup_rank_logging(run_dir: Path) -> None:
-    """With several processes: every rank logs to a file in the run dir
-    (``train.log`` for rank 0, ``train_rank{r}.log`` for the others), and only
-    rank 0 to the console. A single process keeps Hydra's logging as it is."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return
-    rank = global_rank()
-    root = logging.getLogger()
-    for handler in root.handlers[:]:
-        root.removeHandler(handler)
-        handler.close()
-    name = "train.log" if rank == 0 else f"train_rank{rank}.log"
-    handlers: list[logging.Handler] = [logging.FileHandler(run_dir / name)]
-    if rank == 0:
-        handlers.append(logging.StreamHandler(sys.stdout))
-    formatter = logging.Formatter(LOG_FORMAT.replace("%(rank)s", str(rank)))
-    for handler in handlers:
-        handler.setFormatter(formatter)
-        root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    logging.getLogger("accelerate").setLevel(logging.WARNING)

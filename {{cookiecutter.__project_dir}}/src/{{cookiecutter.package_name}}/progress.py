@@ -61,3 +61,27 @@ class Progress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+class RunClock:
+    """Training time of the whole run, across resumes: checkpoints save it
+    (``trainer_state.json``), so ``summary.json`` reports the run, not the last
+    attempt. It runs from ``start()`` (the loop); time spent after the last
+    checkpoint of an interrupted attempt is redone by the next one, and counted there."""
+
+    def __init__(self) -> None:
+        self.before = 0.0  # seconds trained by earlier attempts
+        self._started: float | None = None
+
+    def start(self) -> None:
+        self._started = time.perf_counter()
+
+    def elapsed(self) -> float:
+        running = time.perf_counter() - self._started if self._started is not None else 0.0
+        return self.before + running
+
+    def state_dict(self) -> dict[str, float]:
+        return {"train_s": self.elapsed()}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.before = float(state["train_s"])

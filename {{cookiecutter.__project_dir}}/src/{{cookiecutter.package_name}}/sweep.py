@@ -30,7 +30,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from .launch import global_rank
-from .run_dir import write_json_atomic, write_text_atomic
+from .run_dir import RunDirError, save_hydra_files, write_json_atomic, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,12 @@ class SweepSummary(Callback):
         if config.hydra.mode != RunMode.MULTIRUN or global_rank() != 0:
             return
         run_dir = Path(config.hydra.runtime.output_dir)
+        if isinstance(job_return._return_value, RunDirError):
+            return  # another run's directory: not this job's to write into
+        if not (run_dir / ".hydra" / "overrides.yaml").exists():  # failed before its claim
+            run_dir.mkdir(parents=True, exist_ok=True)
+            task_cfg = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
+            save_hydra_files(run_dir, task_cfg)
         failed = job_return.status == JobStatus.FAILED
         error = " ".join(str(job_return._return_value).split()) if failed else ""
         status = {"status": "failed" if failed else "completed", "error": error[:300]}
