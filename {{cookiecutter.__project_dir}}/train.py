@@ -124,7 +124,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     check_shared_storage(run_dir, accelerator)
     setup_rank_logging(run_dir)
     seed_everything(cfg.seed, cfg.deterministic)
-    log.info(f"run dir: {run_dir}")
+    log.info(f"run dir: {run_dir} | {torch.get_num_threads()} CPU threads per process")
 
     # --- data, model, optimizer, schedule --------------------------------------------
     loaders = build(cfg.data, "data")
