@@ -5,8 +5,9 @@
     python train.py -m optimizer.lr=1e-3,1e-2 seed=1,2   # a sweep
     python train.py run_name=exp1                    # rerun after a crash: resumes in runs/exp1
 
-Everything else (run directory, trackers, seeding, progress) lives in small
-modules under src/{{ cookiecutter.package_name }}/ that decide about ranks themselves.
+The task itself (loss, batch, evaluation) is src/{{ cookiecutter.package_name }}/task.py;
+everything else (run directory, checkpoints, signals, trackers, seeding, progress)
+lives in small modules there that decide about ranks themselves (README: "Layout").
 """
 
 import logging
@@ -17,65 +18,39 @@ from pathlib import Path
 
 import hydra
 import torch
-import torch.nn.functional as F
 from accelerate import skip_first_batches
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from {{ cookiecutter.package_name }} import task
 from {{ cookiecutter.package_name }}.accel import build_accelerator, weights_fingerprint
-from {{ cookiecutter.package_name }}.checkpoint import (
-    CheckpointError,
-    CheckpointManager,
-    TrainingInterrupted,
+from {{ cookiecutter.package_name }}.checkpoint import CheckpointError, CheckpointManager
+from {{ cookiecutter.package_name }}.config import (
+    ConfigError,
+    check_config,
+    flatten_config,
+    instantiate,
+    register_resolvers,
+    resolve_config,
 )
-from {{ cookiecutter.package_name }}.config_checks import ConfigError, check_config
-from {{ cookiecutter.package_name }}.launch import LaunchError, run, setup_rank_logging
+from {{ cookiecutter.package_name }}.launch import LaunchError, run
+from {{ cookiecutter.package_name }}.logs import setup_rank_logging
 from {{ cookiecutter.package_name }}.metrics import MetricBook
 from {{ cookiecutter.package_name }}.nonfinite import LossGuard, NonFiniteLoss
-from {{ cookiecutter.package_name }}.perf import Throughput
+from {{ cookiecutter.package_name }}.preemption import StopSignals, TrainingInterrupted
 from {{ cookiecutter.package_name }}.preflight import PreflightFailed, run_preflight
 from {{ cookiecutter.package_name }}.progress import Progress
 from {{ cookiecutter.package_name }}.run_dir import (
     hydra_run_dir,
     in_sweep,
-    register_resolvers,
-    resolve_config,
     save_resolved_config,
     write_summary,
 )
 from {{ cookiecutter.package_name }}.seeding import same_on_every_rank, seed_everything
-from {{ cookiecutter.package_name }}.tracking import flatten_config, log_final_model, watch_model
+from {{ cookiecutter.package_name }}.state import TrainState, optimizer_step
+from {{ cookiecutter.package_name }}.throughput import Throughput
+from {{ cookiecutter.package_name }}.tracking import log_final_model, watch_model
 
 log = logging.getLogger("train")
-
-
-def cross_entropy(logits: torch.Tensor, y: torch.Tensor, **kwargs) -> torch.Tensor:
-    """Class labels (batch,) or token targets (batch, positions): each position
-    is one prediction, so both flatten to rows of logits."""
-    return F.cross_entropy(logits.flatten(0, -2), y.flatten(), **kwargs)
-
-
-def compute_loss(model, x, y) -> torch.Tensor:
-    """The training objective of one micro-batch ``(x, y)`` of the train loader;
-    the loop and preflight's timed steps use it."""
-    return cross_entropy(model(x), y)
-
-
-@torch.no_grad()
-def evaluate(model, loader, accelerator) -> dict[str, float]:
-    """Loss and accuracy over the whole validation set, summed across ranks."""
-    model.eval()
-    loss_sum = torch.zeros((), device=accelerator.device)
-    correct = torch.zeros((), device=accelerator.device)
-    count = torch.zeros((), device=accelerator.device)
-    for x, y in loader:
-        logits = model(x)
-        logits, y = accelerator.gather_for_metrics((logits, y))
-        loss_sum += cross_entropy(logits.float(), y, reduction="sum")
-        correct += (logits.argmax(dim=-1) == y).sum()
-        count += y.numel()
-    model.train()
-    return {"val/loss": (loss_sum / count).item(), "val/acc": (correct / count).item()}
 
 
 def train(cfg: DictConfig, run_dir: Path) -> float | None:
@@ -87,14 +62,18 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     seed_everything(cfg.seed, cfg.deterministic)
     log.info(f"run dir: {run_dir}")
 
-    # --- data, model, optimizer, schedule --------------------------------------------
+    # --- data, model, optimizer, schedule (they check their own arguments) -----------
     loaders = instantiate(cfg.data)
     with same_on_every_rank(cfg.seed):
         model = instantiate(cfg.model)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
     # samples/s, tokens/s and MFU for the logs (before prepare() wraps the model)
     throughput = Throughput(
-        model, accelerator, cfg.trainer.mixed_precision, cfg.trainer.peak_tflops
+        model,
+        accelerator.device,
+        accelerator.num_processes,
+        cfg.trainer.mixed_precision,
+        cfg.trainer.peak_tflops,
     )
     model, optimizer, train_loader, val_loader = accelerator.prepare(
         model, optimizer, loaders.train, loaders.val
@@ -111,26 +90,45 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
         f"({accelerator.distributed_type.value})"
     )
 
-    # --- checkpoints: resume where an earlier run of this run dir stopped -------------
+    # --- the state; checkpoints: resume where an earlier run of this run dir stopped --
     book = MetricBook(cfg.trainer.monitor, cfg.trainer.monitor_mode)
     guard = LossGuard(cfg.trainer.on_nan, accelerator)  # NaN/inf loss: stop or skip
-    ckpt = CheckpointManager(
-        cfg,
-        run_dir,
-        accelerator,
-        model,
-        optimizer,
-        scheduler,
-        train_loader,
+    state = TrainState(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        train_loader=train_loader,
+        val_loader=val_loader,
         stateful={"metrics": book},  # saved in trainer_state.json
+    )
+    # SIGTERM/SIGUSR1/SIGUSR2/Ctrl-C: save at the next step boundary, then exit (checkpoints on)
+    ck = cfg.checkpoint
+    signals = StopSignals(
+        accelerator=accelerator, enabled=ck.enabled and ck.get("save_on_signal", True)
+    )
+    ckpt = CheckpointManager(
+        checkpoint=cfg.checkpoint,
+        config=OmegaConf.to_container(cfg, resolve=True),  # config.json; compared on resume
+        run_dir=run_dir,
+        accelerator=accelerator,
+        state=state,
         guard=guard,  # checked before every save: no checkpoint after a NaN
+        timeout_s=cfg.parallel.get("timeout_s") or 1800,
     )
     start_at = ckpt.resume()  # step/epoch/batch 0 unless resuming; restores every state
     step, epoch = start_at.step, start_at.epoch
 
     # --- preflight: devices, memory, disk, checkpoint round trip, speed and ETA -------
     # A failed check raises PreflightFailed (exit 1); the state is left as it was.
-    run_preflight(cfg, run_dir, ckpt, train_loader, val_loader, compute_loss, total_steps, step)
+    run_preflight(
+        cfg,
+        run_dir=run_dir,
+        accelerator=accelerator,
+        state=state,
+        ckpt=ckpt,
+        total_steps=total_steps,
+        start_step=step,
+    )
     if cfg.preflight.only:  # preflight.only=true: the report was all we wanted
         accelerator.wait_for_everyone()
         accelerator.end_training()
@@ -143,25 +141,20 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     loss_sum = torch.zeros((), device=accelerator.device)  # summed on device: no sync per step
     loss_count = 0
     grad_norm = torch.zeros(())
+    stop = False  # a stop signal reached some rank (signals.poll_stop, once per step)
     start = time.perf_counter()
     model.train()
     for epoch in range(start_at.epoch, max_epochs):
-        if step == total_steps or ckpt.stop_requested:
+        if step == total_steps or stop:
             break
         train_loader.set_epoch(epoch)
         done = start_at.batch if epoch == start_at.epoch else 0  # batches a resumed run saw
         batches = skip_first_batches(train_loader, done) if done else train_loader
-        for batch, (x, y) in enumerate(batches, start=done + 1):
-            with accelerator.accumulate(model):
-                loss = compute_loss(model, x, y)
-                accelerator.backward(loss)
-                guard.observe(loss)
-                if accelerator.sync_gradients:
-                    if clip_norm:
-                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_norm)
-                    if not guard.drop_update():  # on_nan=skip drops a non-finite update
-                        optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
+        for batch, data in enumerate(batches, start=done + 1):
+            loss, norm = optimizer_step(
+                accelerator=accelerator, state=state, batch=data, guard=guard, clip_norm=clip_norm
+            )
+            grad_norm = grad_norm if norm is None else norm
             loss_sum += loss.detach()
             loss_count += 1
             if not accelerator.sync_gradients:
@@ -172,13 +165,19 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
 
             if step % log_every == 0:
                 rate = progress.window_rate(step)
+                samples, tokens = task.batch_size(batch=data)
+                accumulated = cfg.trainer.grad_accum_steps
                 metrics = {
                     "train/loss": accelerator.reduce(loss_sum, "mean").item() / loss_count,
                     "train/lr": scheduler.get_last_lr()[0],
                     "train/grad_norm": float(grad_norm),
                     "train/epoch": epoch + 1,
                     "perf/steps_per_sec": rate,
-                    **throughput.metrics(rate, y, cfg.trainer.grad_accum_steps),
+                    **throughput.metrics(
+                        rate,
+                        samples=samples * accumulated,
+                        tokens=None if tokens is None else tokens * accumulated,
+                    ),
                 }
                 loss_sum.zero_()
                 loss_count = 0
@@ -188,17 +187,22 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
                 guard.check(step)  # on_nan=stop: raise, naming the first bad step
 
             if step % eval_every == 0 or step == total_steps:
-                metrics = evaluate(model, val_loader, accelerator)
+                metrics = task.evaluate(model=model, loader=val_loader, accelerator=accelerator)
                 book.update(metrics, step, require_monitor=True)
                 accelerator.log(metrics, step=step)
                 progress.report(step, metrics)
 
-            ckpt.maybe_save(step, epoch, batch)  # every N steps/epochs, new best, SIGTERM
-            if step == total_steps or ckpt.stop_requested:
+            stop = signals.poll_stop(step)  # every rank, once per step: a collective
+            # every N steps/epochs, a new best, after a stop signal
+            ckpt.maybe_save(
+                step, epoch, batch, metrics=book.last, fresh=book.fresh(step), stop=stop
+            )
+            if step == total_steps or stop:
                 break
     progress.close()
     guard.check(step)
-    ckpt.finish()  # the last checkpoint; after a stop signal: exit (SLURM: requeue)
+    ckpt.finish(metrics=book.last, stop=signals.stopped)  # the last checkpoint
+    signals.finish(saved=ckpt.last_saved)  # after a stop signal: exit (SLURM: requeue)
 
     # --- summary and final weights -----------------------------------------------------
     wall = time.perf_counter() - start

@@ -20,10 +20,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from {{ cookiecutter.package_name }}.config_checks import ConfigError
+from {{ cookiecutter.package_name }}.config import ConfigError, resolve_config
 from {{ cookiecutter.package_name }}.data import load_digits
 from {{ cookiecutter.package_name }}.model import MLP
-from {{ cookiecutter.package_name }}.run_dir import resolve_config
 from {{ cookiecutter.package_name }}.tracking import build_trackers
 
 from .conftest import FAST, PROJECT_ROOT, require_trackers

@@ -10,7 +10,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from {{ cookiecutter.package_name }}.run_dir import resolve_config
+from {{ cookiecutter.package_name }}.config import resolve_config
 
 from .conftest import FAST, PROJECT_ROOT
 

@@ -199,29 +199,3 @@ def _die_with_parent() -> None:
     libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() == 1:  # the launcher was already gone before prctl
         os._exit(1)
-
-
-LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - rank %(rank)s - %(message)s"
-
-
-def setup_rank_logging(run_dir: Path) -> None:
-    """With several processes: every rank logs to a file in the run dir
-    (``train.log`` for rank 0, ``train_rank{r}.log`` for the others), and only
-    rank 0 to the console. A single process keeps Hydra's logging as it is."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return
-    rank = global_rank()
-    root = logging.getLogger()
-    for handler in root.handlers[:]:
-        root.removeHandler(handler)
-        handler.close()
-    name = "train.log" if rank == 0 else f"train_rank{rank}.log"
-    handlers: list[logging.Handler] = [logging.FileHandler(run_dir / name)]
-    if rank == 0:
-        handlers.append(logging.StreamHandler(sys.stdout))
-    formatter = logging.Formatter(LOG_FORMAT.replace("%(rank)s", str(rank)))
-    for handler in handlers:
-        handler.setFormatter(formatter)
-        root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    logging.getLogger("accelerate").setLevel(logging.WARNING)

@@ -2,7 +2,7 @@
 
 It holds Hydra's own ``.hydra/`` (unresolved), the resolved ``config.yaml`` and
 ``config.json``, ``train.log``, ``metrics.csv``, ``checkpoints/`` (see
-``checkpoint.py``) and, at the end, ``summary.json`` and ``model.safetensors``.
+``checkpoint/``) and, at the end, ``summary.json`` and ``model.safetensors``.
 A fixed ``run_name`` makes it stable, so rerunning a command resumes there.
 Only the main process writes here; the functions check that themselves.
 """
@@ -54,23 +54,9 @@ def _process_start_time(pid: int) -> float | None:
         return None
 
 
-def register_resolvers() -> None:
-    """``${default_run_name:}`` for configs/train.yaml. Call before composing."""
-    OmegaConf.register_new_resolver("default_run_name", default_run_name, replace=True)
-
-
 def hydra_run_dir() -> Path:
     """The output directory Hydra created for this job (run or multirun)."""
     return Path(HydraConfig.get().runtime.output_dir)
-
-
-def resolve_config(cfg: DictConfig) -> DictConfig:
-    """A fully resolved copy with no ``${...}`` left and no link to Hydra, in
-    struct mode so a typo in a key still fails loudly."""
-    container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    resolved = OmegaConf.create(container)
-    OmegaConf.set_struct(resolved, True)
-    return resolved
 
 
 def write_text_atomic(path: Path, text: str) -> None:

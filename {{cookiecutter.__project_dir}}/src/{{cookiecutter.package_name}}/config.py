@@ -1,12 +1,12 @@
-"""Reject bad configuration values before any work starts.
+"""The config: resolvers, resolution, value checks of the infrastructure's own keys,
+and which keys may change when a run resumes (README: "Configuration").
 
-Hydra already rejects unknown group options (listing the available ones) and
-unknown keys (the config is in struct mode). This module checks the values,
-and names the key, the value and what is allowed. Keys absent from a config
-(e.g. ``weight_decay`` for an optimizer without it) are skipped.
+Hydra rejects unknown options and keys (struct mode); ``check_config`` checks
+values, naming key, value and what is allowed. The example model and data check
+their own arguments (``require``) in their constructors.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,64 @@ class ConfigError(ValueError):
     """A configuration value is not allowed."""
 
     exit_code = 2
+
+
+def require(key: str, value: Any, ok: bool, expected: str) -> None:
+    """For models and data checking their own arguments: raise ConfigError
+    ``key=value is not allowed: expected ...`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is not allowed: expected {expected}")
+
+
+# --- resolvers and resolution -----------------------------------------------------------
+
+
+def register_resolvers() -> None:
+    """``${default_run_name:}`` for configs/train.yaml. Call before composing."""
+    from .run_dir import default_run_name  # the run dir owns the naming rule
+
+    OmegaConf.register_new_resolver("default_run_name", default_run_name, replace=True)
+
+
+def resolve_config(cfg: DictConfig) -> DictConfig:
+    """A fully resolved copy with no ``${...}`` left and no link to Hydra, in
+    struct mode so a typo in a key still fails loudly."""
+    container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    resolved = OmegaConf.create(container)
+    OmegaConf.set_struct(resolved, True)
+    return resolved
+
+
+def instantiate(node: Any, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate``, but a ConfigError raised by the target
+    (a model or data function checking its arguments) comes out as itself
+    (exit code 2, its message), not wrapped in Hydra's InstantiationException."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate as hydra_instantiate
+
+    try:
+        return hydra_instantiate(node, **kwargs)
+    except InstantiationException as err:
+        if isinstance(err.__cause__, ConfigError):
+            raise err.__cause__ from None
+        raise
+
+
+def flatten_config(tree: Any, prefix: str = "") -> dict[str, str | int | float | bool]:
+    """Nested config -> ``{"a/b/c": scalar}`` for hyperparameter logging;
+    lists and None become strings, which every tracker accepts."""
+    if isinstance(tree, dict):
+        flat: dict[str, str | int | float | bool] = {}
+        for key, value in tree.items():
+            flat.update(flatten_config(value, f"{prefix}{key}/"))
+        return flat
+    key = prefix.rstrip("/")
+    if isinstance(tree, bool | int | float | str):
+        return {key: tree}
+    return {key: str(tree)}
+
+
+# --- value checks -----------------------------------------------------------------------
 
 
 def _is_int(v: Any) -> bool:
@@ -81,19 +139,6 @@ RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("optimizer.lr", _positive_number, "a number > 0"),
     ("optimizer.weight_decay", _non_negative_number, "a number >= 0"),
     ("optimizer.momentum", _non_negative_number, "a number >= 0"),
-    ("data.batch_size", _positive_int, "an integer >= 1"),
-    ("data.val_batch_size", _positive_int, "an integer >= 1"),
-    ("data.num_workers", _non_negative_int, "an integer >= 0"),
-    ("data.val_fraction", _fraction, "a number between 0 and 1 (exclusive)"),
-    ("data.seq_len", _positive_int, "an integer >= 1"),
-    ("data.vocab_size", lambda v: _is_int(v) and v >= 2, "an integer >= 2"),
-    ("data.branching", _positive_int, "an integer >= 1 (and <= data.vocab_size)"),
-    ("data.num_train", _positive_int, "an integer >= 1"),
-    ("data.num_val", _positive_int, "an integer >= 1"),
-    ("model.dropout", lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
-    ("model.n_layer", _positive_int, "an integer >= 1"),
-    ("model.n_head", _positive_int, "an integer >= 1"),
-    ("model.d_model", _positive_int, "an integer >= 1"),
     ("scheduler.warmup_steps", _non_negative_int, "an integer >= 0"),
     ("scheduler.min_lr_ratio", lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
     ("trainer.max_epochs", _optional_positive_int, "an integer >= 1 or null"),
@@ -149,17 +194,6 @@ def check_config(cfg: DictConfig) -> None:
         problems.append("trainer.max_epochs and trainer.max_steps are both null: set at least one")
     if cfg.preflight.get("only", False) and not cfg.preflight.get("enabled", False):
         problems.append("preflight.only=true with preflight=off: use preflight=default")
-    model, data = cfg.get("model", {}), cfg.get("data", {})
-    d_model, n_head = model.get("d_model"), model.get("n_head")
-    if _positive_int(d_model) and _positive_int(n_head) and d_model % n_head:
-        problems.append(
-            f"model.d_model={d_model} is not allowed: expected a multiple of model.n_head={n_head}"
-        )
-    branching, vocab = data.get("branching"), data.get("vocab_size")
-    if _positive_int(branching) and _is_int(vocab) and branching > vocab:
-        problems.append(
-            f"data.branching={branching} is not allowed: expected at most data.vocab_size={vocab}"
-        )
     if cfg.parallel.mode == "deepspeed" and cfg.checkpoint.get("enabled", False):
         # DeepSpeed's optimizer state holds Python objects (enums, loss-scaler
         # state) that torch.load(weights_only=True) refuses: no safe resume.
@@ -170,3 +204,67 @@ def check_config(cfg: DictConfig) -> None:
         )
     if problems:
         raise ConfigError("Invalid configuration:\n  " + "\n  ".join(problems))
+
+
+# --- what may change on resume ------------------------------------------------------------
+
+# Config keys that may differ between a checkpoint and the run resuming it: run
+# length, cadence of logs/evals/checkpoints, trackers, preflight. Any other
+# difference (model, data, optimizer, schedule, seed, precision, ...) is refused.
+# The data and model add their own such arguments (``resume_may_change``, below).
+ALLOWED_CONFIG_CHANGES = (
+    "trainer.max_steps",
+    "trainer.max_epochs",
+    "trainer.log_every_n_steps",
+    "trainer.eval_every_n_steps",
+    "trainer.on_nan",
+    "trainer.compile",
+    "trainer.peak_tflops",
+    "tracker",
+    "checkpoint",
+    "run_name",
+    "project",
+    "preflight",
+)
+
+
+def allowed_config_changes(config: dict) -> tuple[str, ...]:
+    """ALLOWED_CONFIG_CHANGES plus the arguments the configured data and model
+    functions declare harmless to change (a ``resume_may_change`` tuple on the
+    ``_target_``, e.g. loader workers: the data order does not depend on them)."""
+    from hydra.utils import get_object
+
+    allowed = list(ALLOWED_CONFIG_CHANGES)
+    for group in ("data", "model"):
+        target = (config.get(group) or {}).get("_target_")
+        try:
+            declared = getattr(get_object(target), "resume_may_change", ()) if target else ()
+        except Exception:  # not importable here: nothing extra allowed
+            declared = ()
+        allowed += [f"{group}.{key}" for key in declared]
+    return tuple(allowed)
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        flat: dict[str, Any] = {}
+        for key, value in tree.items():
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        return flat
+    return {prefix.rstrip("."): tree}
+
+
+def config_differences(
+    saved: dict, current: dict, allowed: Iterable[str] = ALLOWED_CONFIG_CHANGES
+) -> list[str]:
+    """``key: old -> new`` for every difference outside ``allowed``."""
+    allowed = tuple(allowed)
+    old, new = _flatten(saved), _flatten(current)
+    diffs = []
+    for key in sorted(set(old) | set(new)):
+        if old.get(key, "<absent>") == new.get(key, "<absent>"):
+            continue
+        if any(key == a or key.startswith(a + ".") for a in allowed):
+            continue
+        diffs.append(f"{key}: {old.get(key, '<absent>')!r} -> {new.get(key, '<absent>')!r}")
+    return diffs
