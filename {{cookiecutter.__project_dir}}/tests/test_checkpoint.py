@@ -296,16 +296,6 @@ def test_resume_from_another_runs_checkpoint_and_never(reference, tmp_path):
     assert "checkpoint.resume=never, but" in again.output and "Traceback" not in again.output
 
 
-def test_explicit_path_without_a_valid_checkpoint_fails(tmp_path):
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    run = run_train(tmp_path / "run", *ARGS, f"checkpoint.resume={empty}", check=False)
-    assert run.proc.returncode == 1
-    assert f"checkpoint.resume={empty}: no valid checkpoint" in run.output
-    assert "not starting over silently" in run.output and "Traceback" not in run.output
-    assert not (run.run_dir / "checkpoints").exists()
-
-
 # --- integrity and safety -------------------------------------------------------------------
 
 

@@ -117,6 +117,21 @@ def manager(tmp_path: Path, batches: int = 10, **checkpoint) -> CheckpointManage
     )
 
 
+def test_explicit_path_without_a_valid_checkpoint_fails(tmp_path):
+    """(Was a train.py run: exit code 1 comes from CheckpointError.exit_code, and
+    train.py turns every CheckpointError into it without a traceback, as the
+    resume=never case of test_checkpoint.py shows with a real process.)"""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    run = tmp_path / "run"
+    with pytest.raises(fmt.CheckpointError) as err:
+        manager(run, resume=str(empty)).resume()
+    assert err.value.exit_code == 1
+    assert f"checkpoint.resume={empty}: no valid checkpoint" in str(err.value)
+    assert "not starting over silently" in str(err.value)
+    assert not (run / "checkpoints").exists()
+
+
 def test_planned_saves_and_checkpoints_on_disk(tmp_path):
     ckpt = manager(tmp_path, every_n_steps=7, save_best={"enabled": True}, keep_last=1)
     evals = {10, 20, 30}

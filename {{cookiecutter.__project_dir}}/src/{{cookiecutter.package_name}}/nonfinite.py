@@ -11,7 +11,7 @@
   (not per micro-batch), as a GradScaler does.
 
 The count of skipped steps is saved in checkpoints (``trainer_state.json``) and
-reported in ``summary.json`` as ``skipped_nan_steps``. README: "NaN/inf losses".
+reported in ``summary.json`` as ``skipped_nan_steps``. README: "Checkpoints and resuming".
 """
 
 import logging

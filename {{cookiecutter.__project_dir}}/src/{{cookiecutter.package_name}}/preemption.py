@@ -3,7 +3,7 @@ handler installed before ours (submitit's requeue), and the exit codes.
 
 SIGTERM, SIGUSR1, SIGUSR2 and Ctrl-C set a flag; at the next step boundary the
 run saves a checkpoint and exits with 128 + signal number (143, 138, 140, 130).
-A second Ctrl-C stops at once. README: "Preemption and signals".
+A second Ctrl-C stops at once. README: "Checkpoints and resuming".
 """
 
 import contextlib

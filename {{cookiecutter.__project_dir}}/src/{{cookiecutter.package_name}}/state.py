@@ -2,7 +2,7 @@
 
 ``TrainState`` is built in train.py and handed (keyword-only) to the checkpoint
 manager and preflight: what a checkpoint saves and restores. ``optimizer_step``
-is the one step the loop and preflight's timed steps take. README: "Checkpoints".
+is the one step the loop and preflight's timed steps take. README: "Checkpoints and resuming".
 """
 
 import random

@@ -3,7 +3,7 @@
 The training loop, preflight, throughput, tracking and bench.py ask this module;
 for a new task edit it (with ``model.py``/``data.py``) and nothing else. The
 example: classification (labels ``(batch,)``) and next-token prediction (targets
-``(batch, positions)``); every position is one prediction. README: "Your own task".
+``(batch, positions)``); every position is one prediction. README: "Use your own model and data".
 """
 
 from typing import Any
