@@ -145,7 +145,8 @@ def _child_bare(spec: dict) -> None:
     precision in a hand-written loop, with nothing else."""
     _install_step_clock(spec["out"])
     import torch
-    import torch.nn.functional as F
+
+    from {{ cookiecutter.package_name }} import task  # the same loss as train.py's
 
     cfg, steps = spec["config"], spec["steps"]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -160,11 +161,10 @@ def _child_bare(spec: dict) -> None:
     clip = cfg["trainer"]["grad_clip_norm"]
     done = 0
     while done < steps:
-        for x, y in loaders.train:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        for batch in loaders.train:
+            batch = [t.to(device, non_blocking=True) for t in batch]
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                logits = model(x)
-            loss = F.cross_entropy(logits.float().flatten(0, -2), y.flatten())
+                loss = task.loss(model=model, batch=batch)
             loss.backward()
             if clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -213,7 +213,7 @@ def compose(overrides: list[str]) -> dict:
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
 
-    from {{ cookiecutter.package_name }}.run_dir import register_resolvers, resolve_config
+    from {{ cookiecutter.package_name }}.config import register_resolvers, resolve_config
 
     register_resolvers()
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
@@ -298,7 +298,9 @@ def bench_checkpoint(args, overrides: list[str], work: Path, results: dict) -> N
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    from {{ cookiecutter.package_name }}.checkpoint import CheckpointManager, rng_state
+    from {{ cookiecutter.package_name }} import task
+    from {{ cookiecutter.package_name }}.checkpoint import CheckpointManager
+    from {{ cookiecutter.package_name }}.state import TrainState, rng_state
 
     cfg = OmegaConf.create(compose(overrides))
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
@@ -306,19 +308,22 @@ def bench_checkpoint(args, overrides: list[str], work: Path, results: dict) -> N
     optimizer = instantiate(cfg.optimizer)(model.parameters())
     scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=100)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    x, y = next(iter(instantiate(cfg.data).train))
-    logits = model(x.to(accelerator.device))
-    torch.nn.functional.cross_entropy(
-        logits.flatten(0, -2), y.to(logits.device).flatten()
-    ).backward()
+    batch = [t.to(accelerator.device) for t in next(iter(instantiate(cfg.data).train))]
+    task.loss(model=model, batch=batch).backward()
     optimizer.step()  # the optimizer state exists
     scheduler.step()
 
+    state = TrainState(model, optimizer, scheduler, train_loader=[], val_loader=[])
+
     def manager(asynchronous: bool) -> CheckpointManager:
         settings = {"enabled": True, "keep_last": 2, "save_on_signal": False}
-        ckpt_cfg = OmegaConf.merge(cfg, {"checkpoint": {**settings, "async": asynchronous}})
-        folder = work / ("async" if asynchronous else "sync")
-        return CheckpointManager(ckpt_cfg, folder, accelerator, model, optimizer, scheduler, [])
+        return CheckpointManager(
+            checkpoint={**settings, "async": asynchronous},
+            config=OmegaConf.to_container(cfg, resolve=True),
+            run_dir=work / ("async" if asynchronous else "sync"),
+            accelerator=accelerator,
+            state=state,
+        )
 
     sync, background = manager(False), manager(True)
     raw_path = work / "raw.pt"

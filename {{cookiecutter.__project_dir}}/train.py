@@ -6,8 +6,9 @@
     python train.py run_name=exp1                    # rerun after a crash: resumes in runs/exp1
                                                      # (a finished run: reports it, changes nothing)
 
-Everything else (run directory, trackers, seeding, progress) lives in small
-modules under src/{{ cookiecutter.package_name }}/ that decide about ranks themselves.
+The task itself (loss, batch, evaluation) is src/{{ cookiecutter.package_name }}/task.py;
+everything else (run directory, checkpoints, signals, trackers, seeding, progress)
+lives in small modules there that decide about ranks themselves (README: "Layout").
 """
 
 import logging
@@ -17,25 +18,25 @@ from pathlib import Path
 
 import hydra
 import torch
-import torch.nn.functional as F
 from accelerate import skip_first_batches
-from accelerate.utils import send_to_device
-from hydra.errors import InstantiationException
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from {{ cookiecutter.package_name }} import task
 from {{ cookiecutter.package_name }}.accel import build_accelerator, weights_fingerprint
-from {{ cookiecutter.package_name }}.checkpoint import (
-    CheckpointError,
-    CheckpointManager,
-    TrainingInterrupted,
+from {{ cookiecutter.package_name }}.checkpoint import CheckpointError, CheckpointManager
+from {{ cookiecutter.package_name }}.config import (
+    ConfigError,
+    check_config,
+    flatten_config,
+    instantiate,
+    register_resolvers,
+    resolve_config,
 )
-from {{ cookiecutter.package_name }}.config_checks import ConfigError, check_config
 from {{ cookiecutter.package_name }}.launch import LaunchError, run, spans_nodes
 from {{ cookiecutter.package_name }}.logs import setup_rank_logging
 from {{ cookiecutter.package_name }}.metrics import MetricBook
 from {{ cookiecutter.package_name }}.nonfinite import LossGuard, NonFiniteLoss
-from {{ cookiecutter.package_name }}.perf import Throughput
+from {{ cookiecutter.package_name }}.preemption import StopSignals, TrainingInterrupted
 from {{ cookiecutter.package_name }}.preflight import PreflightFailed, run_preflight
 from {{ cookiecutter.package_name }}.progress import Progress, RunClock
 from {{ cookiecutter.package_name }}.run_dir import (
@@ -43,75 +44,18 @@ from {{ cookiecutter.package_name }}.run_dir import (
     claim,
     hydra_run_dir,
     in_sweep,
-    register_resolvers,
-    resolve_config,
     uses_default_run_name,
     write_summary,
 )
 from {{ cookiecutter.package_name }}.seeding import same_on_every_rank, seed_everything
-from {{ cookiecutter.package_name }}.tracking import flatten_config, log_final_model, watch_model
+from {{ cookiecutter.package_name }}.state import TrainState, optimizer_step
+from {{ cookiecutter.package_name }}.throughput import Throughput
+from {{ cookiecutter.package_name }}.tracking import log_final_model, watch_model
 
 log = logging.getLogger("train")
 PROJECT_ROOT = Path(__file__).resolve().parent  # runs_root's default: <project root>/runs
-# What the loop logs itself; evaluate() adds the task's metrics (trainer.monitor picks one).
+# What the loop logs itself; task.METRICS are the evaluation's (trainer.monitor picks one).
 TRAIN_METRICS = ("train/loss", "train/lr", "train/grad_norm", "train/epoch")
-
-
-def cross_entropy(logits: torch.Tensor, y: torch.Tensor, **kwargs) -> torch.Tensor:
-    """Class labels (batch,) or token targets (batch, positions): each position
-    is one prediction, so both flatten to rows of logits."""
-    return F.cross_entropy(logits.flatten(0, -2), y.flatten(), **kwargs)
-
-
-def compute_loss(model, x, y) -> torch.Tensor:
-    """The training objective of one micro-batch ``(x, y)`` of the train loader;
-    the loop and preflight's timed steps use it."""
-    return cross_entropy(model(x), y)
-
-
-@torch.no_grad()
-def evaluate(model, loader, accelerator) -> dict[str, float]:
-    """Loss and accuracy over the whole validation set, summed across ranks."""
-    model.eval()
-    loss_sum = torch.zeros((), device=accelerator.device)
-    correct = torch.zeros((), device=accelerator.device)
-    count = torch.zeros((), device=accelerator.device)
-    for x, y in loader:
-        logits = model(x)
-        logits, y = accelerator.gather_for_metrics((logits, y))
-        loss_sum += cross_entropy(logits.float(), y, reduction="sum")
-        correct += (logits.argmax(dim=-1) == y).sum()
-        count += y.numel()
-    model.train()
-    return {"val/loss": (loss_sum / count).item(), "val/acc": (correct / count).item()}
-
-
-def build(node: DictConfig, what: str):
-    """``instantiate(node)``; a target that cannot be built with these
-    arguments is a configuration error (exit 2) that names the group."""
-    try:
-        return instantiate(node)
-    except InstantiationException as err:
-        cause = err.__cause__
-        if isinstance(cause, FileNotFoundError) and cause.filename:
-            raise ConfigError(f"{what}: no such file or directory: {cause.filename}") from err
-        detail = str(cause) if cause is not None else str(err).splitlines()[0]
-        raise ConfigError(f"{what}: cannot build {node.get('_target_')}: {detail}") from err
-
-
-def check_monitor(monitor: str, model, val_loader, accelerator) -> None:
-    """Before the first step: trainer.monitor must be a metric the run logs.
-    One validation batch through evaluate() tells the task's metric names."""
-    dataset = val_loader.dataset
-    size = min(val_loader.batch_size or 1, len(dataset))
-    batch = send_to_device(
-        val_loader.collate_fn([dataset[i] for i in range(size)]), accelerator.device
-    )
-    names = sorted({*TRAIN_METRICS, *evaluate(model, [batch], accelerator)})
-    if monitor not in names and not monitor.startswith("perf/"):
-        raise ConfigError(
-            f"trainer.monitor={monitor!r} is not a logged metric; available: {', '.join(names)}"
-        )
 
 
 def train(cfg: DictConfig, run_dir: Path) -> float | None:
@@ -126,14 +70,18 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     seed_everything(cfg.seed, cfg.deterministic)
     log.info(f"run dir: {run_dir} | {torch.get_num_threads()} CPU threads per process")
 
-    # --- data, model, optimizer, schedule --------------------------------------------
-    loaders = build(cfg.data, "data")
+    # --- data, model, optimizer, schedule (they check their own arguments) -----------
+    loaders = instantiate(cfg.data, what="data")
     with same_on_every_rank(cfg.seed):
-        model = build(cfg.model, "model")
-    optimizer = build(cfg.optimizer, "optimizer")(model.parameters())
+        model = instantiate(cfg.model, what="model")
+    optimizer = instantiate(cfg.optimizer, what="optimizer")(model.parameters())
     # samples/s, tokens/s and MFU for the logs (before prepare() wraps the model)
     throughput = Throughput(
-        model, accelerator, cfg.trainer.mixed_precision, cfg.trainer.peak_tflops
+        model,
+        accelerator.device,
+        accelerator.num_processes,
+        cfg.trainer.mixed_precision,
+        cfg.trainer.peak_tflops,
     )
     model, optimizer, train_loader, val_loader = accelerator.prepare(
         model, optimizer, loaders.train, loaders.val
@@ -142,9 +90,8 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     total_steps = cfg.trainer.max_steps or cfg.trainer.max_epochs * steps_per_epoch
     max_epochs = math.ceil(total_steps / steps_per_epoch)
     scheduler = accelerator.prepare(
-        build(cfg.scheduler, "scheduler")(optimizer, total_steps=total_steps)
+        instantiate(cfg.scheduler, what="scheduler")(optimizer, total_steps=total_steps)
     )
-    check_monitor(cfg.trainer.monitor, model, loaders.val, accelerator)
     accelerator.init_trackers(cfg.project, config=flatten_config(OmegaConf.to_container(cfg)))
     watch_model(accelerator, model)  # W&B gradient/parameter histograms (tracker.wandb.watch)
     log.info(
@@ -153,27 +100,46 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
         f"({accelerator.distributed_type.value})"
     )
 
-    # --- checkpoints: resume where an earlier run of this run dir stopped -------------
+    # --- the state; checkpoints: resume where an earlier run of this run dir stopped --
     book = MetricBook(cfg.trainer.monitor, cfg.trainer.monitor_mode)
     clock = RunClock()  # training time of the whole run, across resumes
     guard = LossGuard(cfg.trainer.on_nan, accelerator)  # NaN/inf loss: stop or skip
-    ckpt = CheckpointManager(
-        cfg,
-        run_dir,
-        accelerator,
-        model,
-        optimizer,
-        scheduler,
-        train_loader,
+    state = TrainState(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        train_loader=train_loader,
+        val_loader=val_loader,
         stateful={"metrics": book, "clock": clock},  # saved in trainer_state.json
+    )
+    # SIGTERM/SIGUSR1/SIGUSR2/Ctrl-C: save at the next step boundary, then exit (checkpoints on)
+    ck = cfg.checkpoint
+    signals = StopSignals(
+        accelerator=accelerator, enabled=ck.enabled and ck.get("save_on_signal", True)
+    )
+    ckpt = CheckpointManager(
+        checkpoint=cfg.checkpoint,
+        config=OmegaConf.to_container(cfg, resolve=True),  # config.json; compared on resume
+        run_dir=run_dir,
+        accelerator=accelerator,
+        state=state,
         guard=guard,  # checked before every save: no checkpoint after a NaN
+        timeout_s=cfg.parallel.get("timeout_s") or 1800,
     )
     start_at = ckpt.resume()  # step/epoch/batch 0 unless resuming; restores every state
     step, epoch = start_at.step, start_at.epoch
 
     # --- preflight: devices, memory, disk, checkpoint round trip, speed and ETA -------
     # A failed check raises PreflightFailed (exit 1); the state is left as it was.
-    run_preflight(cfg, run_dir, ckpt, train_loader, val_loader, compute_loss, total_steps, step)
+    run_preflight(
+        cfg,
+        run_dir=run_dir,
+        accelerator=accelerator,
+        state=state,
+        ckpt=ckpt,
+        total_steps=total_steps,
+        start_step=step,
+    )
     if cfg.preflight.only:  # preflight.only=true: the report was all we wanted
         accelerator.wait_for_everyone()
         accelerator.end_training()
@@ -186,25 +152,20 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     loss_sum = torch.zeros((), device=accelerator.device)  # summed on device: no sync per step
     loss_count = 0
     grad_norm = torch.zeros(())
+    stop = False  # a stop signal reached some rank (signals.poll_stop, once per step)
     clock.start()
     model.train()
     for epoch in range(start_at.epoch, max_epochs):
-        if step == total_steps or ckpt.stop_requested:
+        if step == total_steps or stop:
             break
         train_loader.set_epoch(epoch)
         done = start_at.batch if epoch == start_at.epoch else 0  # batches a resumed run saw
         batches = skip_first_batches(train_loader, done) if done else train_loader
-        for batch, (x, y) in enumerate(batches, start=done + 1):
-            with accelerator.accumulate(model):
-                loss = compute_loss(model, x, y)
-                accelerator.backward(loss)
-                guard.observe(loss)
-                if accelerator.sync_gradients:
-                    if clip_norm:
-                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_norm)
-                    if not guard.drop_update():  # on_nan=skip drops a non-finite update
-                        optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
+        for batch, data in enumerate(batches, start=done + 1):
+            loss, norm = optimizer_step(
+                accelerator=accelerator, state=state, batch=data, guard=guard, clip_norm=clip_norm
+            )
+            grad_norm = grad_norm if norm is None else norm
             loss_sum += loss.detach()
             loss_count += 1
             if not accelerator.sync_gradients:
@@ -215,13 +176,19 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
 
             if step % log_every == 0:
                 rate = progress.window_rate(step)
+                samples, tokens = task.batch_size(batch=data)
+                accumulated = cfg.trainer.grad_accum_steps
                 metrics = {
                     "train/loss": accelerator.reduce(loss_sum, "mean").item() / loss_count,
                     "train/lr": scheduler.get_last_lr()[0],
                     "train/grad_norm": float(grad_norm),
                     "train/epoch": epoch + 1,
                     "perf/steps_per_sec": rate,
-                    **throughput.metrics(rate, y, cfg.trainer.grad_accum_steps),
+                    **throughput.metrics(
+                        rate,
+                        samples=samples * accumulated,
+                        tokens=None if tokens is None else tokens * accumulated,
+                    ),
                 }
                 loss_sum.zero_()
                 loss_count = 0
@@ -231,17 +198,22 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
                 guard.check(step)  # on_nan=stop: raise, naming the first bad step
 
             if step % eval_every == 0 or step == total_steps:
-                metrics = evaluate(model, val_loader, accelerator)
+                metrics = task.evaluate(model=model, loader=val_loader, accelerator=accelerator)
                 book.update(metrics, step, require_monitor=True)
                 accelerator.log(metrics, step=step)
                 progress.report(step, metrics)
 
-            ckpt.maybe_save(step, epoch, batch)  # every N steps/epochs, new best, SIGTERM
-            if step == total_steps or ckpt.stop_requested:
+            stop = signals.poll_stop(step)  # every rank, once per step: a collective
+            # every N steps/epochs, a new best, after a stop signal
+            ckpt.maybe_save(
+                step, epoch, batch, metrics=book.last, fresh=book.fresh(step), stop=stop
+            )
+            if step == total_steps or stop:
                 break
     progress.close()
     guard.check(step)
-    ckpt.finish()  # the last checkpoint; after a stop signal: exit (SLURM: requeue)
+    ckpt.finish(metrics=book.last, stop=signals.stopped)  # the last checkpoint
+    signals.finish(saved=ckpt.last_saved)  # after a stop signal: exit (SLURM: requeue)
 
     # --- summary and final weights -----------------------------------------------------
     wall = clock.elapsed()
@@ -276,6 +248,12 @@ def launch(raw: DictConfig) -> float | None:
     """Check the config, claim the run dir, train (here or in spawned workers)."""
     cfg = resolve_config(raw)  # plain and resolved: no ${...}, no Hydra state needed
     check_config(cfg)
+    monitored = (*TRAIN_METRICS, *task.METRICS)
+    if cfg.trainer.monitor not in monitored and not cfg.trainer.monitor.startswith("perf/"):
+        raise ConfigError(
+            f"trainer.monitor={cfg.trainer.monitor!r} is not a logged metric; available: "
+            + ", ".join(monitored)
+        )
     if uses_default_run_name(raw) and spans_nodes(cfg.parallel):
         raise ConfigError(
             "a run on several nodes needs one run directory, but the default run_name is "

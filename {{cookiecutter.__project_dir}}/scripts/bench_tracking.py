@@ -32,7 +32,7 @@ from pathlib import Path
 from accelerate import Accelerator
 from hydra import compose, initialize_config_dir
 
-from {{ cookiecutter.package_name }}.run_dir import register_resolvers, resolve_config
+from {{ cookiecutter.package_name }}.config import register_resolvers, resolve_config
 from {{ cookiecutter.package_name }}.tracking import build_trackers
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]

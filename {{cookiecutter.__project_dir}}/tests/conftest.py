@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from {{ cookiecutter.package_name }}.run_dir import register_resolvers
+from {{ cookiecutter.package_name }}.config import register_resolvers
 from {{ cookiecutter.package_name }}.tracking import REQUIRES
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +29,8 @@ FAST = [
     "tracker=csv",
     "preflight=off",
 ]
+# train.py with the checkpoint pause points of CKPT_TEST_PAUSE_AT (fault injection).
+TRAIN_WITH_FAULTS = str(PROJECT_ROOT / "tests" / "train_with_faults.py")
 # For train.py subprocesses: the tests' own modules (tests.faults) must be
 # importable in every worker they start.
 PATHS = [str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")]
@@ -73,12 +75,22 @@ class TrainRun:
         return json.loads((self.run_dir / "summary.json").read_text())
 
 
-def run_train(run_dir: Path, *overrides: str, check: bool = True, timeout: int = 300) -> TrainRun:
-    """``python train.py hydra.run.dir=RUN_DIR OVERRIDES`` from the project root."""
-    cmd = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", *overrides]
+def run_train(
+    run_dir: Path,
+    *overrides: str,
+    check: bool = True,
+    timeout: int = 300,
+    pause_at: str | None = None,
+) -> TrainRun:
+    """``python train.py hydra.run.dir=RUN_DIR OVERRIDES`` from the project root;
+    with ``pause_at``, through tests/train_with_faults.py (CKPT_TEST_PAUSE_AT)."""
+    script = TRAIN_WITH_FAULTS if pause_at else "train.py"
+    cmd = [sys.executable, script, f"hydra.run.dir={run_dir}", *overrides]
+    env = {**os.environ, "CKPT_TEST_PAUSE_AT": pause_at} if pause_at else None
     proc = subprocess.run(
         cmd,
         cwd=PROJECT_ROOT,
+        env=env,
         capture_output=True,
         text=True,
         timeout=timeout,

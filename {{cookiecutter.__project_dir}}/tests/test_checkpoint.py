@@ -24,11 +24,10 @@ from {{ cookiecutter.package_name }}.checkpoint import (
     load_tensors_safely,
     verify_checkpoint,
 )
-from {{ cookiecutter.package_name }}.checkpoint import main as checkpoint_cli
-from {{ cookiecutter.package_name }}.config_checks import ConfigError, check_config
-from {{ cookiecutter.package_name }}.run_dir import resolve_config
+from {{ cookiecutter.package_name }}.checkpoint.__main__ import main as checkpoint_cli
+from {{ cookiecutter.package_name }}.config import ConfigError, check_config, resolve_config
 
-from .conftest import PROJECT_ROOT, run_train
+from .conftest import PROJECT_ROOT, TRAIN_WITH_FAULTS, run_train
 
 # 80 steps over 4 epochs of 23 batches; checkpoints every 7 steps (mid-epoch),
 # on each new best val/acc (evaluated every 10 steps) and at the end.
@@ -60,17 +59,20 @@ def steps_in(run_dir: Path) -> list[int]:
     return [int(p.name[5:]) for p in committed_checkpoints(run_dir / "checkpoints")]
 
 
-def start_train(run_dir: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
-    """Start train.py without waiting; stdout+stderr go to RUN_DIR.out."""
+def start_train(run_dir: Path, *overrides: str, pause_at: str | None = None) -> subprocess.Popen:
+    """Start train.py without waiting; stdout+stderr go to RUN_DIR.out. With
+    ``pause_at`` (CKPT_TEST_PAUSE_AT), through tests/train_with_faults.py."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     out = open(f"{run_dir}.out", "ab")  # noqa: SIM115 (closed by the child's exit)
+    script = TRAIN_WITH_FAULTS if pause_at else "train.py"
+    env = {"CKPT_TEST_PAUSE_AT": pause_at} if pause_at else {}
     return subprocess.Popen(
-        [sys.executable, "train.py", f"hydra.run.dir={run_dir}", *overrides],
+        [sys.executable, script, f"hydra.run.dir={run_dir}", *overrides],
         cwd=PROJECT_ROOT,
         stdout=out,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, **env},
     )
 
 
@@ -88,7 +90,7 @@ def kill_when_paused(run_dir: Path, point: str, step: int | None, *overrides: st
     out = Path(f"{run_dir}.out")
     seen = out.stat().st_size if out.exists() else 0  # earlier runs append there too
     pause = point if step is None else f"{point}@{step}"
-    proc = start_train(run_dir, *overrides, env={"CKPT_TEST_PAUSE_AT": pause})
+    proc = start_train(run_dir, *overrides, pause_at=pause)
     try:
         wait_until(
             lambda: b"CKPT_TEST_PAUSED" in out.read_bytes()[seen:] or proc.poll() is not None,
@@ -298,16 +300,6 @@ def test_resume_from_another_runs_checkpoint_and_never(reference, tmp_path):
     assert "checkpoint.resume=never, but" in again.output and "Traceback" not in again.output
 
 
-def test_explicit_path_without_a_valid_checkpoint_fails(tmp_path):
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    run = run_train(tmp_path / "run", *ARGS, f"checkpoint.resume={empty}", check=False)
-    assert run.proc.returncode == 1
-    assert f"checkpoint.resume={empty}: no valid checkpoint" in run.output
-    assert "not starting over silently" in run.output and "Traceback" not in run.output
-    assert not (run.run_dir / "checkpoints").exists()
-
-
 # --- integrity and safety -------------------------------------------------------------------
 
 
@@ -452,6 +444,7 @@ def test_tied_weights_round_trip(tmp_path):
     from omegaconf import OmegaConf
 
     from {{ cookiecutter.package_name }}.checkpoint import CheckpointManager
+    from {{ cookiecutter.package_name }}.state import TrainState
 
     def tied_model() -> torch.nn.Module:
         model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
@@ -466,7 +459,14 @@ def test_tied_weights_round_trip(tmp_path):
     def manager(model: torch.nn.Module, run_dir: Path) -> CheckpointManager:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        return CheckpointManager(cfg, run_dir, accelerator, model, optimizer, scheduler, [None])
+        state = TrainState(model, optimizer, scheduler, train_loader=[None], val_loader=[])
+        return CheckpointManager(
+            checkpoint=cfg.checkpoint,
+            config=OmegaConf.to_container(cfg),
+            run_dir=run_dir,
+            accelerator=accelerator,
+            state=state,
+        )
 
     saved_model = tied_model()
     saved = manager(saved_model, tmp_path / "a").save(3, 0, 1, ["test"])

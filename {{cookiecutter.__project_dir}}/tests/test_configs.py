@@ -7,9 +7,8 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package_name }}.config_checks import check_config
-from {{ cookiecutter.package_name }}.run_dir import resolve_config
-from {{ cookiecutter.package_name }}.tracking import build_trackers, flatten_config
+from {{ cookiecutter.package_name }}.config import check_config, flatten_config, resolve_config
+from {{ cookiecutter.package_name }}.tracking import build_trackers
 
 from .conftest import CONFIG_DIR, require_trackers
 

@@ -15,8 +15,12 @@ import torch
 from safetensors.torch import load_file
 
 from {{ cookiecutter.package_name }}.checkpoint import committed_checkpoints, verify_checkpoint
-from {{ cookiecutter.package_name }}.config_checks import ConfigError, check_config
-from {{ cookiecutter.package_name }}.run_dir import resolve_config
+from {{ cookiecutter.package_name }}.config import (
+    ConfigError,
+    check_config,
+    instantiate,
+    resolve_config,
+)
 
 from .conftest import PROJECT_ROOT, run_train
 from .test_checkpoint import (
@@ -86,9 +90,7 @@ def test_async_checkpoints_hold_the_state_of_their_step(sync_reference, tmp_path
     14's state (staged copies, not the live tensors). Every checkpoint of the
     async run equals the sync run's: weights, optimizer state, trainer state."""
     run = tmp_path / "run"
-    proc = start_train(
-        run, *ARGS, ASYNC, KEEP_ALL, env={"CKPT_TEST_PAUSE_AT": "between_files@14+2"}
-    )
+    proc = start_train(run, *ARGS, ASYNC, KEEP_ALL, pause_at="between_files@14+2")
     assert proc.wait(timeout=300) == 0, Path(f"{run}.out").read_text()[-3000:]
     output = Path(f"{run}.out").read_text()
     assert "CKPT_TEST_PAUSED between_files step 14" in output
@@ -150,15 +152,14 @@ def test_sigkill_during_async_saves_leaves_only_valid_checkpoints(sync_reference
 
 
 @pytest.mark.multiprocess
-def test_async_checkpoints_under_ddp(tmp_path, monkeypatch):
+def test_async_checkpoints_under_ddp(tmp_path):
     """Two processes: every rank stages and writes its own files in the
     background; rank 0 commits once rank 1's file is there (no collective runs
     off the main thread, so nothing can deadlock). Rank 0's writer pauses 1 s at
     step 14 while both ranks train on. The weights equal a sync DDP run's."""
     ddp = ["parallel=ddp", "parallel.num_processes=2", *ARGS, KEEP_ALL]
     sync = run_train(tmp_path / "sync", *ddp)
-    monkeypatch.setenv("CKPT_TEST_PAUSE_AT", "between_files@14+1")
-    run = run_train(tmp_path / "async", *ddp, ASYNC)
+    run = run_train(tmp_path / "async", *ddp, ASYNC, pause_at="between_files@14+1")
     assert "CKPT_TEST_PAUSED between_files step 14" in run.output
     assert "(every_n_steps; async)" in run.output
     assert run.summary["world_size"] == 2
@@ -220,11 +221,21 @@ def test_gpt_example_compiled_trains_on_cpu_and_reports_tokens_and_mfu(train_run
 
 
 def test_new_config_values_are_checked(compose_cfg):
-    cases = {
+    # The example model and data check their own arguments when built.
+    model_and_data = {
         ("model.n_head=3",): "model.d_model=64 is not allowed: expected a multiple of "
         "model.n_head=3",
         ("data.branching=40",): "data.branching=40 is not allowed: expected at most "
         "data.vocab_size=32",
+    }
+    for overrides, message in model_and_data.items():
+        cfg = resolve_config(compose_cfg(*TINY_GPT, *overrides))
+        check_config(cfg)  # the infrastructure's keys are fine
+        with pytest.raises(ConfigError) as err:
+            instantiate(cfg.data)
+            instantiate(cfg.model)
+        assert message in str(err.value)
+    cases = {
         ("checkpoint.async=maybe",): "checkpoint.async='maybe' is not allowed: expected true or",
         ("trainer.compile=1",): "trainer.compile=1 is not allowed: expected true or false",
         ("trainer.peak_tflops=0",): "trainer.peak_tflops=0 is not allowed: expected a number > 0",

@@ -1,6 +1,6 @@
-"""Preflight (preflight.py): real runs of train.py with the checks on, on a real
+"""Preflight (preflight/): real runs of train.py with the checks on, on a real
 small filesystem, with a model whose state does not restore, and under DDP;
-MFU's FLOPs and peaks (flops.py)."""
+MFU's FLOPs and peaks (throughput.py)."""
 
 import json
 import os
@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.flop_counter import FlopCounterMode
 
-from {{ cookiecutter.package_name }}.flops import MFU, peak_flops, peak_for_name
 from {{ cookiecutter.package_name }}.model import MLP, SmallCNN
+from {{ cookiecutter.package_name }}.throughput import Throughput, peak_flops, peak_for_name
 
 from .conftest import FAST, PROJECT_ROOT
 
@@ -217,10 +217,12 @@ def test_peak_flops_table_and_world_size():
     assert peak_for_name("Tesla V100-SXM2-32GB", "bf16")[0] is None  # no bf16
     assert peak_for_name("NVIDIA A10G", "bf16") == (
         None,
-        "no peak-FLOPs figure for NVIDIA A10G: add it to PEAK_TFLOPS in flops.py",
+        "no peak-FLOPs figure for NVIDIA A10G: add it to PEAK_TFLOPS in throughput.py",
     )
     assert peak_flops(torch.device("cpu"), "no")[0] is None
-    mfu = MFU(MLP(64, 10, width=128, depth=2), torch.device("cpu"), "no")
-    assert mfu.metrics(1e6, 1) == {}  # no peak for a CPU: no perf/mfu
+    mfu = Throughput(MLP(64, 10, width=128, depth=2), torch.device("cpu"), 2, "no")
+    assert "perf/mfu" not in mfu.metrics(1.0, samples=10**6)  # no peak for a CPU: no perf/mfu
     mfu.peak = 1e12  # as for a device in the table: MFU divides by every device's peak
-    assert mfu.of(2e6, world_size=2) == pytest.approx(mfu.flops_per_sample * 2e6 / 2e12)
+    rates = mfu.metrics(1.0, samples=10**6)  # 1 step/s of 1e6 samples on each of 2 processes
+    assert rates["perf/samples_per_sec"] == 2e6
+    assert rates["perf/mfu"] == pytest.approx(mfu.flops_per_sample * 2e6 / 2e12)

@@ -20,11 +20,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from {{ cookiecutter.package_name }}.config_checks import ConfigError
+from {{ cookiecutter.package_name }}.config import ConfigError, resolve_config
 from {{ cookiecutter.package_name }}.data import load_digits
 from {{ cookiecutter.package_name }}.model import MLP
-from {{ cookiecutter.package_name }}.run_dir import resolve_config
-from {{ cookiecutter.package_name }}.tracking import build_trackers
+from {{ cookiecutter.package_name }}.tracking import build_trackers, readiness
 
 from .conftest import FAST, PROJECT_ROOT, require_trackers
 
@@ -301,6 +300,30 @@ def test_every_missing_package_is_named(compose_cfg, tmp_path, monkeypatch, trac
     hint = rf"tracker={tracker} needs [\w, ]*{module}.*: pip install -e '\.\[{tracker}\]'"
     with pytest.raises(ConfigError, match=hint):
         build_trackers(cfg, tmp_path)
+
+
+def test_readiness_for_preflight_uses_requires_and_the_wandb_host(
+    compose_cfg, tmp_path, monkeypatch
+):
+    """Preflight's tracker check is tracking.readiness: the packages of REQUIRES
+    (MLflow needs sqlalchemy too), and the W&B key of WANDB_BASE_URL's host."""
+    for var in ("WANDB_API_KEY", "WANDB_MODE", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    netrc = tmp_path / ".netrc"
+    netrc.write_text("machine wandb.example.com login user password secret\n")
+    netrc.chmod(0o600)
+    cfg = resolve_config(compose_cfg("tracker=[csv,wandb,mlflow]"))
+    status, detail, _ = readiness(cfg)
+    assert status == "pass" and "wandb: offline" in detail  # no key for api.wandb.ai
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.com")
+    status, detail, _ = readiness(cfg)
+    assert status == "pass", detail
+    assert "wandb: online, key found for wandb.example.com" in detail
+    monkeypatch.setitem(sys.modules, "sqlalchemy", None)  # blocks the import
+    status, detail, fix = readiness(cfg)
+    assert status == "fail" and "mlflow: sqlalchemy not installed" in detail
+    assert fix == "pip install -e '.[mlflow]'"
 
 
 SHARED_STORE_JOB = """

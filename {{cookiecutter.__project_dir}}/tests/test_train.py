@@ -13,7 +13,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from {{ cookiecutter.package_name }}.run_dir import resolve_config
+from {{ cookiecutter.package_name }}.config import resolve_config
 
 from .conftest import FAST, PROJECT_ROOT, run_train
 

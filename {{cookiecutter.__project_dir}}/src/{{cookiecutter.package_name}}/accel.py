@@ -20,7 +20,7 @@ from accelerate.utils import (
 )
 from omegaconf import DictConfig
 
-from .config_checks import PARALLEL_MODES, ConfigError
+from .config import PARALLEL_MODES, ConfigError
 from .launch import LaunchError, expected_world_size, under_launcher
 from .tracking import build_trackers
 

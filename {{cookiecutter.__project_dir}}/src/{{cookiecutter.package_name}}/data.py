@@ -20,7 +20,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from .config import require
 from .seeding import seed_worker
+
+# Arguments that may change when a run resumes (the data order does not depend on
+# them); the checkpoint's config check reads this from the ``_target_``.
+RESUME_MAY_CHANGE = ("num_workers", "pin_memory", "val_batch_size")
 
 
 @dataclass
@@ -52,6 +57,12 @@ def digits(
 ) -> DataLoaders:
     """Train/validation loaders over a fixed split (``split_seed``, not ``seed``,
     so validation scores compare across training seeds)."""
+    require(
+        "data.val_fraction",
+        val_fraction,
+        _is_number(val_fraction) and 0 < val_fraction < 1,
+        "a number between 0 and 1 (exclusive)",
+    )
     images, labels = load_digits()
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(split_seed))
     n_val = round(len(labels) * val_fraction)
@@ -112,6 +123,23 @@ def tokens(
     """Next-token prediction on synthetic sequences, generated in memory from
     ``data_seed`` (numpy's PCG64: the same tokens on every machine, no download).
     Inputs are ``seq_len`` tokens, targets the same sequence shifted by one."""
+    for key, value in [("seq_len", seq_len), ("num_train", num_train), ("num_val", num_val)]:
+        require(f"data.{key}", value, _is_int(value) and value >= 1, "an integer >= 1")
+    require(
+        "data.vocab_size", vocab_size, _is_int(vocab_size) and vocab_size >= 2, "an integer >= 2"
+    )
+    require(
+        "data.branching",
+        branching,
+        _is_int(branching) and branching >= 1,
+        "an integer >= 1 (and <= data.vocab_size)",
+    )
+    require(
+        "data.branching",
+        branching,
+        branching <= vocab_size,
+        f"at most data.vocab_size={vocab_size}",
+    )
     language = markov_language(vocab_size, branching, data_seed)
     train_seq = copy_task_sequences(num_train, seq_len + 1, language, data_seed + 1)
     val_seq = copy_task_sequences(num_val, seq_len + 1, language, data_seed + 2)
@@ -135,6 +163,14 @@ def _loaders(
     num_workers: int,
     pin_memory: bool | None,
 ) -> DataLoaders:
+    for key, value in [("batch_size", batch_size), ("val_batch_size", val_batch_size)]:
+        require(f"data.{key}", value, _is_int(value) and value >= 1, "an integer >= 1")
+    require(
+        "data.num_workers",
+        num_workers,
+        _is_int(num_workers) and num_workers >= 0,
+        "an integer >= 0",
+    )
     common = {
         "num_workers": num_workers,
         # Page-locked batches make the copy to the GPU asynchronous (accelerate
@@ -161,3 +197,14 @@ def _loaders(
         **common,
     )
     return DataLoaders(train=train, val=val)
+
+
+digits.resume_may_change = tokens.resume_may_change = RESUME_MAY_CHANGE
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)

@@ -3,7 +3,7 @@
 Pre-norm blocks with causal self-attention through ``F.scaled_dot_product_attention``
 (flash / memory-efficient kernels on GPUs) and a GELU MLP; learned positions. It
 returns logits of shape (batch, seq_len, vocab_size); train.py's cross-entropy
-treats every position as one prediction. ``flops_per_token`` lets train.py
+treats every position as one prediction (task.py). ``flops_per_token`` lets train.py
 report MFU (model FLOPs utilization) next to tokens/s.
 """
 
@@ -13,12 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import require
+from .model import check_dropout
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, d_model: int, n_head: int, dropout: float) -> None:
         super().__init__()
-        if d_model % n_head:
-            raise ValueError(f"model.d_model={d_model} must be a multiple of model.n_head={n_head}")
         self.n_head = n_head
         self.dropout = dropout
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
@@ -68,6 +69,13 @@ class GPT(nn.Module):
         d_model: int = 256,
         dropout: float = 0.0,
     ) -> None:
+        for key, value in [("n_layer", n_layer), ("n_head", n_head), ("d_model", d_model)]:
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            require(f"model.{key}", value, ok, "an integer >= 1")
+        require(
+            "model.d_model", d_model, d_model % n_head == 0, f"a multiple of model.n_head={n_head}"
+        )
+        check_dropout(dropout)
         super().__init__()
         self.seq_len = seq_len
         self.n_layer = n_layer

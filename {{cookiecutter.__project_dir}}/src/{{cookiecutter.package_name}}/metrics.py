@@ -3,7 +3,7 @@
 import math
 from typing import Any
 
-from .config_checks import ConfigError
+from .config import ConfigError
 
 
 class MetricBook:
@@ -41,6 +41,10 @@ class MetricBook:
         if better:
             self.best_value, self.best_step = value, step
         return better
+
+    def fresh(self, step: int) -> dict[str, float]:
+        """The metrics logged at ``step`` (e.g. for the checkpoint's best rule)."""
+        return {k: self.last[k] for k, at in self.last_step.items() if at == step}
 
     def best(self) -> dict[str, Any]:
         return {"name": self.monitor, "value": self.best_value, "step": self.best_step}

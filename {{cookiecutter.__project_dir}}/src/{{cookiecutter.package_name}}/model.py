@@ -2,13 +2,20 @@
 under ``configs/model/`` are the constructor's argument names.
 
 ``flops_per_sample()`` (optional, for the ``perf/mfu`` metric and preflight's
-MFU estimate, see ``flops.py``): the FLOPs of one training step per sample,
+MFU estimate, see ``throughput.py``): the FLOPs of one training step per sample,
 counted as 3 x the forward pass (backward costs about twice the forward),
 where a multiply-add is 2 FLOPs. Elementwise work (ReLU, norms) is left out.
 """
 
 import torch
 from torch import nn
+
+from .config import require
+
+
+def check_dropout(dropout: float) -> None:
+    ok = isinstance(dropout, int | float) and not isinstance(dropout, bool) and 0 <= dropout < 1
+    require("model.dropout", dropout, ok, "a number in [0, 1)")
 
 
 class MLP(nn.Module):
@@ -23,6 +30,7 @@ class MLP(nn.Module):
         depth: int = 2,
         dropout: float = 0.1,
     ) -> None:
+        check_dropout(dropout)
         super().__init__()
         layers: list[nn.Module] = [nn.Flatten()]
         size = in_features
@@ -54,6 +62,7 @@ class SmallCNN(nn.Module):
         dropout: float = 0.1,
         image_size: int = 8,
     ) -> None:
+        check_dropout(dropout)
         super().__init__()
         self.image_size = image_size
         layers: list[nn.Module] = []

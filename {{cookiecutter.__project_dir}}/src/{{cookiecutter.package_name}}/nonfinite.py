@@ -11,7 +11,7 @@
   (not per micro-batch), as a GradScaler does.
 
 The count of skipped steps is saved in checkpoints (``trainer_state.json``) and
-reported in ``summary.json`` as ``skipped_nan_steps``.
+reported in ``summary.json`` as ``skipped_nan_steps``. README: "Checkpoints and resuming".
 """
 
 import logging
@@ -47,11 +47,12 @@ class LossGuard:
         """Every micro-batch; stays on the device."""
         self._step_ok &= torch.isfinite(loss.detach()).all()
 
-    def drop_update(self) -> bool:
-        """At each optimizer step: True when this update must be dropped (skip mode)."""
+    def agree_on_update(self) -> bool:
+        """At each optimizer step, on every rank (a collective under several
+        processes: one all-reduce, so all ranks take the same decision): True
+        when the update may be applied, False when it must be dropped (skip mode)."""
         ok, self._step_ok = self._step_ok, torch.ones_like(self._step_ok)
         if self.accelerator.num_processes > 1:
-            # Every rank must take the same decision.
             ok = (
                 self.accelerator.reduce(ok.to(torch.int32), "sum") == self.accelerator.num_processes
             )
@@ -63,11 +64,11 @@ class LossGuard:
                         f"loss not finite: update dropped (trainer.on_nan=skip), "
                         f"{self.skipped} dropped so far"
                     )
-                return True
-            return False
+                return False
+            return True
         self._all_ok &= ok
         self._ok_steps += self._all_ok  # good steps before the first bad one
-        return False
+        return True
 
     def check(self, step: int) -> None:
         """Raise NonFiniteLoss naming the first bad step (stop mode); one host sync."""

@@ -1,6 +1,6 @@
 """Progress on the main process: a tqdm bar on a terminal, plain log lines
 otherwise (files, CI, SLURM logs). Both show steps/s, samples/s, MFU (when
-the model declares its FLOPs, see ``flops.py``) and the ETA."""
+the model declares its FLOPs, see ``throughput.py``) and the ETA."""
 
 import datetime
 import logging

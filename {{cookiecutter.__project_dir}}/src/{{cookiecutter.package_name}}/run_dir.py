@@ -33,7 +33,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from .config_checks import ConfigError, config_differences
+from .config import ConfigError, allowed_config_changes, config_differences
 from .launch import global_rank, under_launcher
 from .logs import discard_run_logs, open_run_logs
 
@@ -91,30 +91,9 @@ def _process_start_time(pid: int) -> float | None:
         return None
 
 
-def register_resolvers(project_root: Path | None = None) -> None:
-    """``${default_run_name:}``, ``${launch_stamp:}`` and ``${project_root:}``
-    (the directory holding train.py; default: the working directory) for
-    configs/train.yaml. Call before composing."""
-    root = str(Path(project_root or Path.cwd()).resolve())
-    OmegaConf.register_new_resolver(
-        "default_run_name", default_run_name, replace=True, use_cache=True
-    )
-    OmegaConf.register_new_resolver("launch_stamp", launch_stamp, replace=True, use_cache=True)
-    OmegaConf.register_new_resolver("project_root", lambda: root, replace=True)
-
-
 def hydra_run_dir() -> Path:
     """The output directory Hydra created for this job (run or multirun)."""
     return Path(HydraConfig.get().runtime.output_dir)
-
-
-def resolve_config(cfg: DictConfig) -> DictConfig:
-    """A fully resolved copy with no ``${...}`` left and no link to Hydra, in
-    struct mode so a typo in a key still fails loudly."""
-    container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    resolved = OmegaConf.create(container)
-    OmegaConf.set_struct(resolved, True)
-    return resolved
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -184,7 +163,7 @@ def inspect(run_dir: Path, cfg: DictConfig) -> tuple[str, dict[str, Any] | None]
         )
     saved = json.loads(saved_path.read_text(encoding="utf-8"))
     current = OmegaConf.to_container(cfg, resolve=True)
-    diffs = config_differences(saved, current)
+    diffs = config_differences(saved, current, allowed_config_changes(current))
     if diffs:
         raise RunDirError(
             f"{run_dir} holds another run (its config differs in "

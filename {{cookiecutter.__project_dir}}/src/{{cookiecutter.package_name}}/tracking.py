@@ -1,17 +1,8 @@
-"""Experiment trackers, built from ``cfg.tracker`` for accelerate's tracker API.
-
-``cfg.tracker`` maps each selected tracker to its settings; Hydra's
-multi-select (``tracker=[csv,tensorboard,wandb,mlflow]``) merges the options.
-Every tracker is an accelerate ``GeneralTracker`` (accelerate's own TensorBoard,
-W&B and MLflow trackers, adapted below, and a CSV tracker), handed to
-``Accelerator(log_with=...)``. accelerate's ``init_trackers``/``log``/
-``end_training`` run on the main process only, so no other rank ever creates a
-run or opens a tracker file; the helpers here check that themselves too.
-
-Optional packages are imported when a tracker starts, never at import time; a
-missing one stops the run before any work with the ``pip install`` to run.
-W&B and MLflow runs have ids: checkpoints store them (``run_id`` of each
-tracker) and a resumed run continues the same runs.
+"""Experiment trackers from ``cfg.tracker`` for accelerate's tracker API (csv,
+TensorBoard, W&B, MLflow); ``readiness`` for preflight. They start on the main
+process only; optional packages are imported when a tracker starts (a missing
+one stops the run first, naming the install). W&B/MLflow run ids are saved in
+checkpoints, so a resumed run continues them. README: "Experiment trackers".
 """
 
 import contextlib
@@ -37,8 +28,9 @@ from accelerate.tracking import WandBTracker as AccelerateWandBTracker
 from accelerate.utils import DistributedType
 from omegaconf import DictConfig, OmegaConf
 
+from . import task
 from .checkpoint import committed_checkpoints
-from .config_checks import ConfigError
+from .config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -167,13 +159,21 @@ def _wandb_default_mode() -> str | None:
     """None (wandb reads ``WANDB_MODE``) when set, else online only with a key."""
     if os.environ.get("WANDB_MODE"):
         return None
+    return "online" if _wandb_key() else "offline"
+
+
+def _wandb_host() -> str:
+    return urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or ""
+
+
+def _wandb_key() -> bool:
+    """An API key in the environment or where `wandb login` stores it (netrc)."""
     if os.environ.get("WANDB_API_KEY"):
-        return "online"
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
-    try:  # where `wandb login` stores the key
-        return "online" if netrc.netrc().authenticators(host or "") else "offline"
+        return True
+    try:
+        return netrc.netrc().authenticators(_wandb_host()) is not None
     except (OSError, netrc.NetrcParseError):
-        return "offline"
+        return False
 
 
 class MLflowTracker(AccelerateMLflowTracker):
@@ -292,6 +292,59 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
             os.environ.pop(key, None)
 
 
+# --- readiness (preflight asks) ------------------------------------------------------
+
+
+def _missing(name: str) -> list[str]:
+    return [m for m in REQUIRES.get(name, ()) if find_spec(m) is None]
+
+
+def readiness(cfg: DictConfig) -> tuple[str, str, str]:
+    """(status pass|warn|fail, detail, fix) of the configured trackers: packages
+    importable (REQUIRES), offline or online, credentials where needed."""
+    parts, problems, fixes, warnings = [], [], [], []
+    for name, settings in (cfg.tracker or {}).items():
+        settings = settings or {}
+        missing = _missing(name)
+        if missing:
+            problems.append(f"{name}: {', '.join(missing)} not installed")
+            fixes.append(f"pip install -e '.[{name}]'")
+            continue
+        if name == "csv":
+            parts.append("csv: metrics.csv in the run dir")
+        elif name == "wandb":
+            key = _wandb_key()
+            mode = settings.get("mode") or os.environ.get("WANDB_MODE")
+            mode = mode or ("online" if key else "offline")
+            if mode == "online" and not key:
+                problems.append("wandb: online, but no API key (WANDB_API_KEY or wandb login)")
+                fixes.append("wandb login, or run offline (WANDB_MODE=offline)")
+            else:
+                parts.append(f"wandb: {mode}" + (f", key found for {_wandb_host()}" if key else ""))
+        elif name == "mlflow":
+            uri = (
+                settings.get("tracking_uri")
+                or os.environ.get("MLFLOW_TRACKING_URI")
+                or "local store in the run dir"
+            )
+            remote = str(uri).startswith(("http://", "https://", "databricks"))
+            secrets = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME", "DATABRICKS_TOKEN")
+            if remote and not any(os.environ.get(v) for v in secrets):
+                warnings.append(f"mlflow: {uri} without credentials in the environment")
+            else:
+                parts.append(f"mlflow: {uri}")
+        else:
+            parts.append(f"{name}: ready")
+    if not cfg.tracker:
+        parts.append("none configured")
+    detail = "; ".join(parts + problems + warnings)
+    if problems:
+        return "fail", detail, "; ".join(fixes)
+    if warnings:
+        return "warn", detail, "set MLFLOW_TRACKING_TOKEN (or user/password)"
+    return "pass", detail, ""
+
+
 # --- building, resuming -------------------------------------------------------------
 
 
@@ -306,7 +359,7 @@ def build_trackers(cfg: DictConfig, run_dir: Path) -> list[GeneralTracker]:
             raise ConfigError(
                 f"tracker={name!r} is not available; choose from: none, {', '.join(AVAILABLE)}"
             )
-        missing = [m for m in REQUIRES.get(name, ()) if find_spec(m) is None]
+        missing = _missing(name)
         if missing:
             raise ConfigError(
                 f"tracker={name} needs {', '.join(missing)}, not installed here: "
@@ -364,10 +417,10 @@ def watch_model(accelerator: Any, model: torch.nn.Module) -> None:
 
 def log_final_model(accelerator: Any, cfg: DictConfig, run_dir: Path, loader: Any) -> None:
     """MLflow: ``model.safetensors`` as an artifact and, with
-    ``tracker.mlflow.log_model``, the model exported with torch.export on a
-    batch of ``loader`` (no pickle: ``mlflow.pytorch.load_model`` loads it
-    without this package). The model is rebuilt from the saved weights, so it is
-    whole under every parallel mode."""
+    ``tracker.mlflow.log_model``, the model exported with torch.export on the
+    inputs (``task.inputs``) of a batch of ``loader``, read only then (no pickle:
+    ``mlflow.pytorch.load_model`` loads it without this package). The model is
+    rebuilt from the saved weights, so it is whole under every parallel mode."""
     tracker = _started(accelerator, "mlflow")
     if tracker is None:
         return
@@ -386,7 +439,7 @@ def log_final_model(accelerator: Any, cfg: DictConfig, run_dir: Path, loader: An
     model = instantiate(cfg.model)
     model.load_state_dict(load_file(weights))
     model.eval()
-    x = next(iter(loader))[0][:2].cpu()  # 2 rows: the batch dimension stays dynamic
+    x = task.inputs(batch=next(iter(loader)))[:2].cpu()  # 2 rows: the batch dim stays dynamic
     with torch.no_grad():
         y = model(x)
 
@@ -404,17 +457,3 @@ def log_final_model(accelerator: Any, cfg: DictConfig, run_dir: Path, loader: An
         )
     except Exception as err:  # e.g. a model torch.export cannot trace
         log.warning(f"MLflow: the model was not logged ({err}); model.safetensors was")
-
-
-def flatten_config(tree: Any, prefix: str = "") -> dict[str, str | int | float | bool]:
-    """Nested config -> ``{"a/b/c": scalar}`` for hyperparameter logging;
-    lists and None become strings, which every tracker accepts."""
-    if isinstance(tree, dict):
-        flat: dict[str, str | int | float | bool] = {}
-        for key, value in tree.items():
-            flat.update(flatten_config(value, f"{prefix}{key}/"))
-        return flat
-    key = prefix.rstrip("/")
-    if isinstance(tree, bool | int | float | str):
-        return {key: tree}
-    return {key: str(tree)}

@@ -1,13 +1,13 @@
-"""Reject bad configuration values before any work starts.
+"""The config: resolvers, resolution, value checks of the infrastructure's own keys,
+and which keys may change when a run resumes (README: "Configuration").
 
-Hydra already rejects unknown group options (listing the available ones) and
-unknown keys (the config is in struct mode). This module checks the values,
-and names the key, the value and what is allowed. Keys absent from a config
-(e.g. ``weight_decay`` for an optimizer without it) are skipped.
+Hydra rejects unknown options and keys (struct mode); ``check_config`` checks
+values, naming key, value and what is allowed. The example model and data check
+their own arguments (``require``) in their constructors.
 """
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,77 @@ class ConfigError(ValueError):
     """A configuration value is not allowed."""
 
     exit_code = 2
+
+
+def require(key: str, value: Any, ok: bool, expected: str) -> None:
+    """For models and data checking their own arguments: raise ConfigError
+    ``key=value is not allowed: expected ...`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is not allowed: expected {expected}")
+
+
+# --- resolvers and resolution -----------------------------------------------------------
+
+
+def register_resolvers(project_root: Path | None = None) -> None:
+    """``${default_run_name:}``, ``${launch_stamp:}`` and ``${project_root:}``
+    (the directory holding train.py; default: the working directory) for
+    configs/train.yaml. Call before composing."""
+    from .run_dir import default_run_name, launch_stamp  # the run dir owns the naming rule
+
+    root = str(Path(project_root or Path.cwd()).resolve())
+    register = OmegaConf.register_new_resolver
+    register("default_run_name", default_run_name, replace=True, use_cache=True)
+    register("launch_stamp", launch_stamp, replace=True, use_cache=True)
+    register("project_root", lambda: root, replace=True)
+
+
+def resolve_config(cfg: DictConfig) -> DictConfig:
+    """A fully resolved copy with no ``${...}`` left and no link to Hydra, in
+    struct mode so a typo in a key still fails loudly."""
+    container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    resolved = OmegaConf.create(container)
+    OmegaConf.set_struct(resolved, True)
+    return resolved
+
+
+def instantiate(node: Any, what: str = "config", **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate``, where a target that cannot be built is a
+    configuration error (exit code 2) naming ``what`` (the group): a ConfigError
+    raised by the target (a model or data function checking its arguments)
+    comes out as itself, a missing file with its path, anything else with the
+    target and the reason, never wrapped in Hydra's InstantiationException."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate as hydra_instantiate
+
+    try:
+        return hydra_instantiate(node, **kwargs)
+    except InstantiationException as err:
+        cause = err.__cause__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        if isinstance(cause, FileNotFoundError) and cause.filename:
+            raise ConfigError(f"{what}: no such file or directory: {cause.filename}") from err
+        detail = str(cause) if cause is not None else str(err).splitlines()[0]
+        target = node.get("_target_") if hasattr(node, "get") else node
+        raise ConfigError(f"{what}: cannot build {target}: {detail}") from err
+
+
+def flatten_config(tree: Any, prefix: str = "") -> dict[str, str | int | float | bool]:
+    """Nested config -> ``{"a/b/c": scalar}`` for hyperparameter logging;
+    lists and None become strings, which every tracker accepts."""
+    if isinstance(tree, dict):
+        flat: dict[str, str | int | float | bool] = {}
+        for key, value in tree.items():
+            flat.update(flatten_config(value, f"{prefix}{key}/"))
+        return flat
+    key = prefix.rstrip("/")
+    if isinstance(tree, bool | int | float | str):
+        return {key: tree}
+    return {key: str(tree)}
+
+
+# --- value checks -----------------------------------------------------------------------
 
 
 def _is_int(v: Any) -> bool:
@@ -102,19 +173,6 @@ RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("parallel.master_port", _port, "null or a port number in 1..65535"),
     ("parallel.backend", lambda v: v in ("auto", "gloo", "nccl"), "auto, gloo or nccl"),
     ("parallel.timeout_s", _positive_number, "a number of seconds > 0"),
-    ("data.batch_size", _positive_int, "an integer >= 1"),
-    ("data.val_batch_size", _positive_int, "an integer >= 1"),
-    ("data.num_workers", _non_negative_int, "an integer >= 0"),
-    ("data.val_fraction", _fraction, "a number between 0 and 1 (exclusive)"),
-    ("data.seq_len", _positive_int, "an integer >= 1"),
-    ("data.vocab_size", lambda v: _is_int(v) and v >= 2, "an integer >= 2"),
-    ("data.branching", _positive_int, "an integer >= 1 (and <= data.vocab_size)"),
-    ("data.num_train", _positive_int, "an integer >= 1"),
-    ("data.num_val", _positive_int, "an integer >= 1"),
-    ("model.dropout", lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
-    ("model.n_layer", _positive_int, "an integer >= 1"),
-    ("model.n_head", _positive_int, "an integer >= 1"),
-    ("model.d_model", _positive_int, "an integer >= 1"),
     ("scheduler.warmup_steps", _non_negative_int, "an integer >= 0"),
     ("scheduler.min_lr_ratio", lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
     ("trainer.max_epochs", _optional_positive_int, "an integer >= 1 or null"),
@@ -198,17 +256,6 @@ def check_config(cfg: DictConfig) -> None:
     problems += _missing_paths(cfg.get("data") or {}, "data")
     if cfg.preflight.get("only", False) and not cfg.preflight.get("enabled", False):
         problems.append("preflight.only=true with preflight=off: use preflight=default")
-    model, data = cfg.get("model", {}), cfg.get("data", {})
-    d_model, n_head = model.get("d_model"), model.get("n_head")
-    if _positive_int(d_model) and _positive_int(n_head) and d_model % n_head:
-        problems.append(
-            f"model.d_model={d_model} is not allowed: expected a multiple of model.n_head={n_head}"
-        )
-    branching, vocab = data.get("branching"), data.get("vocab_size")
-    if _positive_int(branching) and _is_int(vocab) and branching > vocab:
-        problems.append(
-            f"data.branching={branching} is not allowed: expected at most data.vocab_size={vocab}"
-        )
     if cfg.parallel.mode == "deepspeed" and cfg.checkpoint.get("enabled", False):
         # DeepSpeed's optimizer state holds Python objects (enums, loss-scaler
         # state) that torch.load(weights_only=True) refuses: no safe resume.
@@ -221,14 +268,14 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError("Invalid configuration:\n  " + "\n  ".join(problems))
 
 
-# --- config compatibility: which keys may differ when a run continues ------------------
+# --- what may change on resume ------------------------------------------------------------
 
 # Config keys that may differ between a checkpoint and the run resuming it: run
-# length, cadence of logs/evals/checkpoints, trackers, loader workers (the data
-# order does not depend on them), and what legitimately differs per node or per
-# launch (node_rank, the rendezvous address and port, the collective timeout,
-# where the runs directory is). Any other difference (model, data, optimizer,
-# schedule, seed, precision, ...) is refused. Edit this tuple to allow more.
+# length, cadence of logs/evals/checkpoints, trackers, preflight, and what
+# legitimately differs per node or per launch (node_rank, the rendezvous address
+# and port, the collective timeout, where the runs directory is). Any other
+# difference (model, data, optimizer, schedule, seed, precision, ...) is refused.
+# The data and model add their own such arguments (``resume_may_change``, below).
 ALLOWED_CONFIG_CHANGES = (
     "parallel.node_rank",
     "parallel.master_addr",
@@ -247,10 +294,24 @@ ALLOWED_CONFIG_CHANGES = (
     "run_name",
     "project",
     "preflight",
-    "data.num_workers",
-    "data.pin_memory",
-    "data.val_batch_size",
 )
+
+
+def allowed_config_changes(config: dict) -> tuple[str, ...]:
+    """ALLOWED_CONFIG_CHANGES plus the arguments the configured data and model
+    functions declare harmless to change (a ``resume_may_change`` tuple on the
+    ``_target_``, e.g. loader workers: the data order does not depend on them)."""
+    from hydra.utils import get_object
+
+    allowed = list(ALLOWED_CONFIG_CHANGES)
+    for group in ("data", "model"):
+        target = (config.get(group) or {}).get("_target_")
+        try:
+            declared = getattr(get_object(target), "resume_may_change", ()) if target else ()
+        except Exception:  # not importable here: nothing extra allowed
+            declared = ()
+        allowed += [f"{group}.{key}" for key in declared]
+    return tuple(allowed)
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -262,14 +323,17 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): tree}
 
 
-def config_differences(saved: dict, current: dict) -> list[str]:
-    """``key: old -> new`` for every difference outside ALLOWED_CONFIG_CHANGES."""
+def config_differences(
+    saved: dict, current: dict, allowed: Iterable[str] = ALLOWED_CONFIG_CHANGES
+) -> list[str]:
+    """``key: old -> new`` for every difference outside ``allowed``."""
+    allowed = tuple(allowed)
     old, new = _flatten(saved), _flatten(current)
     diffs = []
     for key in sorted(set(old) | set(new)):
         if old.get(key, "<absent>") == new.get(key, "<absent>"):
             continue
-        if any(key == a or key.startswith(a + ".") for a in ALLOWED_CONFIG_CHANGES):
+        if any(key == a or key.startswith(a + ".") for a in allowed):
             continue
         diffs.append(f"{key}: {old.get(key, '<absent>')!r} -> {new.get(key, '<absent>')!r}")
     return diffs

@@ -1,16 +1,15 @@
-"""Model FLOPs utilization (MFU): the training FLOPs a run achieves, as a
-fraction of what its devices could do at peak.
+"""Throughput: samples/s, tokens/s and MFU, one code path for the log lines and
+preflight's estimate; and the one table of devices' peak FLOPs (README: "Performance").
 
-    MFU = flops_per_sample x samples/s (all ranks) / (peak FLOPs of one device x world size)
-
-A model declares ``flops_per_sample()``: the FLOPs of one training step per
-sample, forward plus backward (about 3 x the forward pass, the usual
-convention; see ``model.py``). Peaks are NVIDIA's dense (no sparsity) figures
-per device for the precision the run computes in. A device missing from the
-table (CPUs, other GPUs) gets no MFU, and the reason is reported instead.
+MFU = training FLOPs/s achieved / the devices' peak. A model declares its cost:
+``flops_per_token()`` (sequence models) or ``flops_per_sample()`` (forward +
+backward, ~3 x the forward pass); the peak is ``trainer.peak_tflops`` or the
+table below (NVIDIA's dense figures); otherwise there is no MFU, with the reason.
+The counts of a batch (samples, tokens) come from ``task.py``.
 """
 
 import re
+from typing import Any
 
 import torch
 
@@ -64,38 +63,55 @@ def peak_for_name(name: str, precision: str) -> tuple[float | None, str]:
             if precision not in peaks:
                 return None, f"{name} has no {precision} peak in the table"
             return peaks[precision] * 1e12, f"{name} {precision} peak {peaks[precision]:g} TFLOPS"
-    return None, f"no peak-FLOPs figure for {name}: add it to PEAK_TFLOPS in flops.py"
+    return None, f"no peak-FLOPs figure for {name}: add it to PEAK_TFLOPS in throughput.py"
 
 
-class MFU:
-    """``perf/mfu`` from a samples/s figure, when the model declares its FLOPs
-    per sample and the device has a peak in the table; otherwise nothing."""
+class Throughput:
+    """Samples/s, tokens/s and MFU from a rate of optimizer steps, counted over
+    all processes. Build it from the model before ``accelerator.prepare`` wraps it
+    (the wrapper hides the model's attributes)."""
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Any,
         device: torch.device,
-        mixed_precision: str | bool,
+        processes: int,
+        mixed_precision: str | bool = "no",
         peak_tflops: float | None = None,
-    ):
-        declared = getattr(model, "flops_per_sample", None)
-        self.flops_per_sample = float(declared()) if callable(declared) else None
+    ) -> None:
+        self.flops_per_token = _declared(model, "flops_per_token")
+        self.flops_per_sample = _declared(model, "flops_per_sample")
+        self.processes = processes
         self.peak, self.peak_note = peak_flops(device, mixed_precision, peak_tflops)
 
-    @property
-    def reason_missing(self) -> str | None:
-        if self.flops_per_sample is None:
+    def reason_missing(self, tokens: bool = False) -> str | None:
+        """Why there is no MFU (None: there is one)."""
+        if self.flops_per_sample is None and not (tokens and self.flops_per_token):
             return "the model declares no flops_per_sample()"
         if self.peak is None:
             return self.peak_note
         return None
 
-    def of(self, samples_per_sec: float, world_size: int) -> float | None:
-        """MFU for ``samples_per_sec`` summed over all ``world_size`` devices."""
-        if self.reason_missing:
-            return None
-        return self.flops_per_sample * samples_per_sec / (self.peak * world_size)
+    def metrics(
+        self, steps_per_sec: float, *, samples: int, tokens: int | None = None
+    ) -> dict[str, float]:
+        """``samples`` and ``tokens`` of one optimizer step on one process (all its
+        micro-batches; ``task.batch_size`` counts them)."""
+        scale = steps_per_sec * self.processes
+        out = {"perf/samples_per_sec": scale * samples}
+        flops = None
+        if tokens is not None:
+            out["perf/tokens_per_sec"] = scale * tokens
+            if self.flops_per_token:
+                flops = out["perf/tokens_per_sec"] * self.flops_per_token
+        if flops is None and self.flops_per_sample:
+            flops = out["perf/samples_per_sec"] * self.flops_per_sample
+        if flops is not None and self.peak:
+            out["perf/mfu"] = flops / (self.peak * self.processes)
+        return out
 
-    def metrics(self, samples_per_sec: float, world_size: int) -> dict[str, float]:
-        value = self.of(samples_per_sec, world_size)
-        return {} if value is None else {"perf/mfu": value}
+
+def _declared(model: Any, name: str) -> float | None:
+    """``model.<name>()`` if the model declares it, else None."""
+    method = getattr(model, name, None)
+    return float(method()) if callable(method) else None

@@ -1,0 +1,25 @@
+"""Checkpoints: atomic, verified, safe to load, and a resume that continues bit-exactly.
+
+``format`` (files, manifest, verify, safe load), ``manager`` (when to save, what
+to resume), ``commit`` (the save protocol's writing half), ``async_save``
+(staging, background writer), ``full_state`` (model/optimizer state under every
+parallel mode), ``__main__`` (the list/verify/export CLI). README: "Checkpoints and resuming".
+"""
+
+from .format import (
+    CheckpointError,
+    ConfigMismatch,
+    committed_checkpoints,
+    load_tensors_safely,
+    verify_checkpoint,
+)
+from .manager import CheckpointManager
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointManager",
+    "ConfigMismatch",
+    "committed_checkpoints",
+    "load_tensors_safely",
+    "verify_checkpoint",
+]

@@ -1,0 +1,118 @@
+"""``python -m {{ cookiecutter.package_name }}.checkpoint list|verify|export PATH``: inspect checkpoints.
+
+    list   RUN_DIR|CHECKPOINTS_DIR|CHECKPOINT   step, epoch, size, validity, metrics
+    verify PATH                                 every file's size and sha256; exit 1 if invalid
+    export PATH [-o model.safetensors]          the newest valid checkpoint's weights
+
+README: "Checkpoints and resuming".
+"""
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from .format import (
+    CheckpointError,
+    find_checkpoints,
+    parse_file,
+    read_manifest,
+    verify_checkpoint,
+    verify_files,
+)
+
+# --- command line -------------------------------------------------------------------------
+
+
+def _resolve_many(path: Path) -> list[Path]:
+    """The checkpoints a path names (format.find_checkpoints); none when it names none."""
+    try:
+        return find_checkpoints(path)
+    except CheckpointError as err:
+        print(err, file=sys.stderr)
+        return []
+
+
+def _cli_list(path: Path) -> int:
+    ckpts = _resolve_many(path)
+    if not ckpts:
+        print(f"no checkpoints in {path}")
+        return 1
+    print(f"{'checkpoint':<16} {'step':>8} {'epoch':>6} {'size MB':>8}  status  metrics")
+    for ckpt in ckpts:
+        problem = verify_checkpoint(ckpt)
+        size = sum(p.stat().st_size for p in ckpt.iterdir() if p.is_file()) / 2**20
+        try:
+            manifest = read_manifest(ckpt)
+            step, epoch = manifest["step"], manifest["epoch"] + 1
+            metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(manifest["metrics"].items()))
+        except CheckpointError:
+            step, epoch, metrics = "?", "?", ""
+        status = "valid" if problem is None else "INVALID"
+        print(f"{ckpt.name:<16} {step:>8} {epoch:>6} {size:>8.2f}  {status:<7} {metrics}")
+        if problem:
+            print(f"    {problem}")
+    return 0
+
+
+def _cli_verify(path: Path) -> int:
+    ckpts = _resolve_many(path)
+    if not ckpts:
+        print(f"no checkpoints in {path}")
+        return 1
+    bad = 0
+    for ckpt in ckpts:
+        problem = verify_checkpoint(ckpt)
+        bad += problem is not None
+        print(
+            f"{'OK' if problem is None else 'INVALID':<8} {ckpt}"
+            + (f"\n    {problem}" if problem else "")
+        )
+    print(f"{len(ckpts) - bad} valid, {bad} invalid")
+    return 1 if bad else 0
+
+
+def _cli_export(path: Path, out: Path) -> int:
+    for ckpt in reversed(_resolve_many(path)):  # the newest valid one
+        try:
+            verify_files(ckpt, ["model.safetensors"], parse=parse_file)
+        except CheckpointError as err:
+            print(f"skipping {ckpt}: {err}", file=sys.stderr)
+            continue
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp")
+        shutil.copyfile(ckpt / "model.safetensors", tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+        print(f"exported {ckpt / 'model.safetensors'} -> {out}")
+        return 0
+    print(f"no valid checkpoint in {path}", file=sys.stderr)
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {__package__}", description="Inspect checkpoints."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command, text in [
+        ("list", "step, epoch, size, validity and metrics of each checkpoint"),
+        ("verify", "check every file's size and sha256 (exit 1 if any checkpoint is invalid)"),
+        ("export", "write the newest valid checkpoint's weights as one model.safetensors"),
+    ]:
+        p = sub.add_parser(command, help=text)
+        p.add_argument("path", type=Path, help="a run dir, its checkpoints/ or one checkpoint")
+        if command == "export":
+            p.add_argument("-o", "--output", type=Path, default=Path("model.safetensors"))
+    args = parser.parse_args(argv)
+    if args.command == "list":
+        return _cli_list(args.path)
+    if args.command == "verify":
+        return _cli_verify(args.path)
+    return _cli_export(args.path, args.output)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""The writing half of the save protocol: every rank writes its files into
+``step_N.tmp/``, then the main process writes the manifest, commits (rename),
+replaces the pointers and prunes. The same code runs for sync saves (main
+thread, barriers) and async ones (a background thread, no collectives).
+README: "Checkpoints and resuming".
+"""
+
+import shutil
+from typing import Any
+
+from . import async_save
+from . import format as fmt
+from .format import CheckpointError
+
+
+def make_tmp(job: async_save.SaveJob, accelerator: Any) -> OSError | None:
+    """The main process creates ``step_N.tmp/``; a barrier, then every rank writes.
+    Returns the error instead of raising it: the other ranks are at the barrier."""
+    failed: OSError | None = None
+    try:
+        if accelerator.is_main_process:
+            job.root.mkdir(parents=True, exist_ok=True)
+            if job.tmp.exists():
+                shutil.rmtree(job.tmp)
+            job.tmp.mkdir()
+    except OSError as err:
+        failed = err
+    accelerator.wait_for_everyone()
+    return failed
+
+
+def write_and_commit(
+    job: async_save.SaveJob,
+    acc: Any,
+    failed: OSError | None,
+    sync: bool,
+    timeout_s: float,
+    keep_last: int,
+) -> None:
+    """Every rank writes its files into ``job.tmp``; then the main process
+    writes the manifest, commits (rename), replaces the pointers and prunes.
+
+    ``sync``: barriers between the two phases (main thread). Otherwise (a
+    background thread) no collectives at all: the main process waits for
+    each rank's file to appear (written under a hidden name, fsynced, then
+    renamed into place)."""
+    files: dict[str, dict[str, Any]] = {}
+    try:
+        if failed is None:
+            if job.copied is not None:
+                job.copied.synchronize()  # the staging copies from the GPU have landed
+            rng_name = f"rng_rank{acc.process_index}.pt"
+            hidden = job.tmp / f".{rng_name}.part"
+            fmt.write_file(hidden, job.blobs.pop(rng_name))
+            hidden.replace(job.tmp / rng_name)
+            if acc.is_main_process:
+                files = fmt.write_main_files(job.tmp, job.step, job.tensors, job.blobs)
+    except OSError as err:
+        failed = err
+    if sync:
+        acc.wait_for_everyone()
+    try:
+        if acc.is_main_process and failed is None:
+            rank_files = [job.tmp / f"rng_rank{r}.pt" for r in range(acc.num_processes)]
+            if not sync:
+                async_save.wait_for_files(rank_files, timeout_s)
+            for path in rank_files:  # other ranks fsynced their own file
+                data = path.read_bytes()
+                files[path.name] = {"sha256": fmt.sha256(data), "size": len(data)}
+            fmt.commit(job.tmp, job.final, job.manifest, files)
+            fmt.write_pointers(job.root, job.step, job.new_best)
+    except OSError as err:
+        failed = err
+    if failed is not None:
+        if acc.is_main_process:
+            shutil.rmtree(job.tmp, ignore_errors=True)
+        raise write_error(job, failed) from failed
+    if acc.is_main_process and job.prune:
+        best_step = job.best["step"] if job.best is not None else None
+        fmt.prune(job.root, job.step, keep_last, best_step)
+
+
+def write_error(job: async_save.SaveJob, failed: OSError) -> CheckpointError:
+    return CheckpointError(
+        f"could not write checkpoint {job.name} in {job.root}: {failed.strerror or failed} "
+        f"({failed.filename or ''}). Earlier checkpoints are intact; free disk space or fix "
+        "permissions, then restart the same command to resume."
+    )

@@ -1,0 +1,437 @@
+"""The checkpoint on disk: layout, manifest, the hashing writer, the commit and
+pruning steps, verification and safe loading. No accelerator: unit-testable.
+
+``step_0000500/`` holds ``model.safetensors``, ``optimizer.pt``, ``scheduler.pt``
+(``scaler.pt``), ``rng_rank{r}.pt``, ``trainer_state.json``, ``config.json`` and,
+written last, ``MANIFEST.json`` (sha256 and size of every file). Nothing is
+unpickled beyond ``torch.load(weights_only=True)``. README: "Checkpoints and resuming".
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import json
+import os
+import pickle
+import platform
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file as load_safetensors_file
+from safetensors.torch import save as save_safetensors
+
+from ..run_dir import write_json_atomic
+
+MANIFEST = "MANIFEST.json"
+FORMAT_VERSION = 1
+STEP_DIR = re.compile(r"^step_(\d+)$")
+REQUIRED_FILES = (
+    "model.safetensors",
+    "optimizer.pt",
+    "scheduler.pt",
+    "rng_rank0.pt",
+    "trainer_state.json",
+    "config.json",
+)
+MIN_KEEP = 2  # checkpoint.keep_last below this is raised: the newest may be half-written
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or no valid one could be loaded."""
+
+    exit_code = 1
+
+
+class ConfigMismatch(CheckpointError):
+    """The checkpoint belongs to a run with an incompatible config (no fallback)."""
+
+
+def pause_point(point: str, step: int) -> None:
+    """A no-op called at the moments of a save a crash is tested at
+    (``between_files``, ``before_rename``, ``before_pointers``, ``pruning``).
+    The fault-injection tests replace it (tests/train_with_faults.py) to pause
+    there and SIGKILL the process; production code never does anything here."""
+
+
+# --- files: fsync, hashing, names ----------------------------------------------------
+
+
+@functools.cache
+def threads(kind: str) -> ThreadPoolExecutor:
+    """Long-lived worker threads, one pool per ``kind`` ("io": writing files,
+    "hash": hashing; separate, so writers can wait for hashes without a
+    deadlock). Starting threads for every save would cost more than hashing."""
+    return ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"checkpoint-{kind}")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file(path: Path, data: bytes | memoryview) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def sha256(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()  # releases the GIL: runs beside writes
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def step_of(path: Path) -> int | None:
+    match = STEP_DIR.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def committed_checkpoints(root: Path) -> list[Path]:
+    """``step_*`` folders in ``root`` (no ``*.tmp``), oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None]
+    return sorted(found, key=step_of)
+
+
+def find_checkpoints(path: Path) -> list[Path]:
+    """What a path names: one checkpoint, or the committed ones of a
+    checkpoints dir or of a run dir (oldest first)."""
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    if path.name.endswith(".tmp"):
+        raise CheckpointError(f"{path}: an unfinished save, not a checkpoint")
+    if step_of(path) is not None or (path / MANIFEST).exists():
+        return [path]  # exactly this checkpoint
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    return committed_checkpoints(root)
+
+
+def versions() -> dict[str, str]:
+    import accelerate
+    import safetensors
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "accelerate": accelerate.__version__,
+        "safetensors": safetensors.__version__,
+        "numpy": np.__version__,
+    }
+
+
+# --- reading and verifying -------------------------------------------------------------
+
+
+def read_manifest(ckpt: Path) -> dict[str, Any]:
+    path = ckpt / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (an incomplete checkpoint)")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        files = manifest["files"]
+        assert isinstance(files, dict) and all(
+            isinstance(v["sha256"], str) and isinstance(v["size"], int) for v in files.values()
+        )
+        int(manifest["step"])
+    except (ValueError, KeyError, TypeError, AssertionError) as err:
+        raise CheckpointError(f"{path}: not a valid manifest ({err!r})") from err
+    missing = [name for name in REQUIRED_FILES if name not in files]
+    if missing:
+        raise CheckpointError(f"{path}: lists no {', '.join(missing)}")
+    return manifest
+
+
+def _check_file(ckpt: Path, name: str, expected: dict[str, Any]) -> None:
+    """Size and sha256 of one file against its manifest entry."""
+    path = ckpt / name
+    if "/" in name or name.startswith("."):
+        raise CheckpointError(f"{ckpt / MANIFEST}: bad file name {name!r}")
+    try:
+        size = path.stat().st_size
+        if size != expected["size"]:
+            raise CheckpointError(
+                f"{path}: {size} bytes, the manifest says {expected['size']} (truncated?)"
+            )
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)  # releases the GIL: runs beside the parsing
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot be read ({err.strerror})") from err
+    if digest.hexdigest() != expected["sha256"]:
+        raise CheckpointError(f"{path}: sha256 does not match the manifest (corrupted)")
+
+
+def verify_files(
+    ckpt: Path,
+    names: Iterable[str] | None = None,
+    parse: Callable[[str, Path], Any] | None = None,
+) -> dict[str, Any]:
+    """Check the size and sha256 of a checkpoint's files (all, or ``names``)
+    against its manifest, and meanwhile parse them with ``parse`` (the hashes
+    are computed in threads beside the parsing, so verification costs little
+    extra time). Raise CheckpointError naming the first bad file; nothing
+    parsed is returned unless every file is intact."""
+    manifest = read_manifest(ckpt)
+    files = manifest["files"]
+    extra = sorted(p.name for p in ckpt.iterdir() if p.name != MANIFEST and p.name not in files)
+    if extra:
+        raise CheckpointError(f"{ckpt}: files not in the manifest: {', '.join(extra)}")
+    wanted = list(files) if names is None else [n for n in names if n in files]
+    parsed: dict[str, Any] = {}
+    parse_error: CheckpointError | None = None
+    checks = [threads("hash").submit(_check_file, ckpt, n, files[n]) for n in wanted]
+    for name in wanted if parse else []:
+        try:
+            parsed[name] = parse(name, ckpt / name)
+        except CheckpointError as err:
+            parse_error = err
+            break
+    for check in checks:
+        check.result()  # a hash problem explains a parse error: report it first
+    if parse_error is not None:
+        raise parse_error
+    return parsed
+
+
+def verify_checkpoint(ckpt: Path) -> str | None:
+    """None when valid, else the reason (naming the file)."""
+    try:
+        verify_files(ckpt)
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
+def load_tensors_safely(source: Path | bytes, name: str) -> Any:
+    """``torch.load(weights_only=True)``: tensors and plain containers only. A
+    pickle that would build any other object (e.g. run code) is refused."""
+    try:
+        if isinstance(source, bytes | bytearray):
+            source = io.BytesIO(source)
+        return torch.load(source, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
+        raise CheckpointError(
+            f"{name}: refused: it holds more than tensors and plain containers, so it is "
+            f"not loaded (weights_only=True): {first_line}"
+        ) from err
+
+
+def parse_file(name: str, path: Path) -> Any:
+    """A checkpoint file as Python data: safetensors, weights-only torch, JSON."""
+    try:
+        if name.endswith(".safetensors"):
+            return load_safetensors_file(path)
+        if name.endswith(".json"):
+            return json.loads(path.read_text(encoding="utf-8"))
+    except Exception as err:  # safetensors raises its own error types
+        raise CheckpointError(f"{path}: unreadable ({err})") from err
+    return load_tensors_safely(path, str(path))
+
+
+# --- writing ---------------------------------------------------------------------------
+
+
+class HashingWriter:
+    """A file being written that hashes what passes through it, from the same
+    buffers: large ones are hashed in ``hashers`` while this thread writes them
+    (hashlib and file writes release the GIL), so hashing adds little time. On
+    exit (no error) the file is fsynced; ``entry`` is its manifest entry."""
+
+    def __init__(self, path: Path, hashers: ThreadPoolExecutor) -> None:
+        self._file = open(path, "wb")  # noqa: SIM115 (closed by __exit__)
+        self._digest = hashlib.sha256()
+        self._hashers = hashers
+        self._size = 0
+        self.entry: dict[str, Any] = {}
+
+    def write(self, data: bytes | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        if view.nbytes >= 1 << 20:
+            hashed = self._hashers.submit(self._digest.update, view)
+            self._file.write(view)
+            hashed.result()
+        else:
+            self._digest.update(view)
+            self._file.write(view)
+        self._size += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def __enter__(self) -> HashingWriter:
+        return self
+
+    def __exit__(self, error_type: Any, *_: Any) -> None:
+        try:
+            if error_type is None:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+                self.entry = {"sha256": self._digest.hexdigest(), "size": self._size}
+        finally:
+            self._file.close()
+
+
+def unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU tensors for safetensors, which refuses tensors sharing memory (tied
+    weights, views of one buffer): those after the first are copied. Loading
+    assigns each name, so tied parameters come back tied to the same values."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in state.items():
+        tensor = tensor.detach().cpu().contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        if storage in seen:
+            tensor = tensor.clone()
+        seen.add(storage)
+        out[name] = tensor
+    return out
+
+
+def torch_save(obj: Any, out: Any) -> None:
+    """torch.save without its per-record CRC32: the manifest's sha256 already
+    covers every byte (torch.load reads such files as usual)."""
+    get_crc32 = getattr(torch.serialization, "get_crc32_options", None)  # torch >= 2.5
+    if get_crc32 is None:
+        torch.save(obj, out)
+        return
+    before = get_crc32()
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(obj, out)
+    finally:
+        torch.serialization.set_crc32_options(before)
+
+
+def torch_bytes(obj: Any) -> memoryview:
+    buf = io.BytesIO()
+    torch_save(obj, buf)
+    return buf.getbuffer()
+
+
+def write_main_files(
+    tmp: Path, step: int, tensors: dict[str, Any], blobs: dict[str, bytes | memoryview]
+) -> dict[str, dict[str, Any]]:
+    """Serialize and write + fsync the main process's files into ``tmp``, in
+    threads; returns their manifest entries. Each file is hashed from the same
+    buffers as they are written, so hashing costs little time and no copy."""
+    model_state, optimizer_state = tensors["model.safetensors"], tensors["optimizer.pt"]
+    writers = threads("io")
+
+    def write(fname: str, serialize: Callable[[HashingWriter], Any]) -> dict[str, Any]:
+        with HashingWriter(tmp / fname, threads("hash")) as out:
+            serialize(out)
+        return out.entry
+
+    futures = {
+        "model.safetensors": writers.submit(
+            write,
+            "model.safetensors",
+            lambda out: out.write(
+                save_safetensors(unshared(model_state), metadata={"step": str(step)})
+            ),
+        )
+    }
+    pause_point("between_files", step)  # the model file written or in flight
+    futures["optimizer.pt"] = writers.submit(
+        write, "optimizer.pt", lambda out: torch_save(optimizer_state, out)
+    )
+    for fname, data in blobs.items():
+        futures[fname] = writers.submit(write, fname, lambda out, d=data: out.write(d))
+    return {fname: future.result() for fname, future in futures.items()}
+
+
+def commit(
+    tmp: Path, final: Path, manifest: dict[str, Any], files: dict[str, dict[str, Any]]
+) -> None:
+    """Write MANIFEST.json (last, fsynced), then rename ``tmp`` to ``final``
+    (replacing an older folder of the same step) and fsync the parent."""
+    manifest = {**manifest, "files": dict(sorted(files.items()))}
+    write_file(tmp / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+    fsync_dir(tmp)
+    pause_point("before_rename", manifest["step"])
+    if final.exists():  # the same step again (e.g. after a fallback)
+        old = final.with_name(f"{final.name}.replaced.tmp")
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)  # the commit
+    fsync_dir(final.parent)
+
+
+def write_pointers(root: Path, step: int, new_best: dict[str, Any] | None) -> None:
+    """``latest.json`` (and ``best.json`` for a new best), replaced atomically."""
+    pause_point("before_pointers", step)
+    pointer = {"step": step, "path": checkpoint_name(step)}
+    write_json_atomic(root / "latest.json", pointer)
+    if new_best is not None:
+        write_json_atomic(root / "best.json", {**pointer, **new_best})
+    fsync_dir(root)
+
+
+def to_prune(ckpts: list[Path], keep_last: int, best_step: int | None) -> list[Path]:
+    """Which committed checkpoints (oldest first) pruning removes: all but the
+    ``keep_last`` (at least MIN_KEEP) newest and the best; never the newest."""
+    keep = {p.name for p in ckpts[-max(MIN_KEEP, keep_last) :]}
+    if best_step is not None:
+        keep.add(checkpoint_name(best_step))
+    return [ckpt for ckpt in ckpts[:-1] if ckpt.name not in keep]
+
+
+def prune(root: Path, step: int, keep_last: int, best_step: int | None) -> None:
+    """Remove what ``to_prune`` says; runs only after a commit. Rename first
+    (atomic), then delete: a crash mid-delete leaves a ``*.tmp`` folder (removed
+    at the next start), never a half checkpoint. Deleting does not block."""
+    for ckpt in to_prune(committed_checkpoints(root), keep_last, best_step):
+        doomed = ckpt.with_name(f"{ckpt.name}.pruned.tmp")
+        os.replace(ckpt, doomed)
+        pause_point("pruning", step)
+        threads("io").submit(shutil.rmtree, doomed, ignore_errors=True)
+
+
+def remove_stale_tmp(root: Path) -> list[Path]:
+    """Remove what interrupted saves left (``*.tmp``); returns the folders removed."""
+    if not root.is_dir():
+        return []
+    removed = []
+    for path in root.glob("*.tmp"):
+        removed.append(path)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    for path in root.glob(".*.tmp"):
+        path.unlink(missing_ok=True)
+    return removed
+
+
+def set_aside_newer_than(root: Path, step: int) -> list[tuple[Path, Path]]:
+    """Rename (never delete) the checkpoints newer than ``step``, so that resuming
+    and pruning never mix two timelines. Returns (old, new) paths."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    moved = []
+    for ckpt in committed_checkpoints(root):
+        if step_of(ckpt) > step:
+            target = ckpt.with_name(f"{ckpt.name}.superseded-{stamp}")
+            os.replace(ckpt, target)
+            moved.append((ckpt, target))
+    return moved

@@ -1,0 +1,438 @@
+"""When to save, what to resume, and the commit protocol (README: "Checkpoints and resuming").
+
+Protocol: every rank writes into ``step_N.tmp/`` -> barrier -> the main process
+fsyncs, writes MANIFEST.json, renames to ``step_N/``, fsyncs, replaces the
+pointers, and only then prunes. Loading verifies every file first and falls
+back to the previous checkpoint with a warning naming the file. The manager
+gets ``cfg.checkpoint``; the best-metric values and the stop decision are passed in.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from ..config import allowed_config_changes, config_differences
+from ..state import Position, TrainState, rng_state, set_rng_state
+from . import async_save, commit, full_state
+from . import format as fmt
+from .format import CheckpointError, ConfigMismatch
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointManager:
+    """Saves and resumes ``state`` (a TrainState) under ``<run_dir>/checkpoints``.
+
+    ``checkpoint`` is ``cfg.checkpoint``; ``config`` the resolved config as plain
+    data (saved as config.json, compared on resume); ``guard`` (a LossGuard) is
+    checked before every save, so no checkpoint is written after a non-finite loss.
+    """
+
+    def __init__(
+        self,
+        *,
+        checkpoint: DictConfig | dict,
+        config: dict[str, Any],
+        run_dir: Path,
+        accelerator: Any,
+        state: TrainState,
+        guard: Any = None,
+        timeout_s: float = 1800.0,
+    ) -> None:
+        if isinstance(checkpoint, DictConfig):
+            checkpoint = OmegaConf.to_container(checkpoint, resolve=True)
+        self.ck = dict(checkpoint)
+        self.config = config
+        self.enabled = bool(self.ck.get("enabled", False))
+        self.dir = Path(run_dir) / "checkpoints"
+        self.accelerator = accelerator
+        self.state = state
+        self.batches_per_epoch = len(state.train_loader)
+        self.guard = guard
+        self.timeout_s = float(timeout_s or 1800)
+        self.best: dict[str, Any] | None = None  # step, value of save_best.monitor
+        self.resumed_from: str | None = None
+        self.last_saved: Path | None = None
+        self._last_saved_step: int | None = None
+        self._pending_best: dict[str, Any] | None = None
+        self._position = Position()  # of the last step boundary seen
+        self._metrics: dict[str, float] = {}  # the latest metrics, for the manifest
+        # checkpoint.async: stage in memory, write and commit in a background thread.
+        self.asynchronous = bool(self.ck.get("async", False))
+        self._stager = async_save.Stager()
+        self._in_flight: async_save.SaveJob | None = None  # at most one save
+        if self.enabled:
+            if accelerator.is_main_process:
+                for path in fmt.remove_stale_tmp(self.dir):
+                    log.warning(f"removed {path}: left by an interrupted save")
+            accelerator.wait_for_everyone()
+
+    # --- what preflight asks -----------------------------------------------------------
+
+    def planned_saves(
+        self, total: int, start: int, *, steps_per_epoch: int, evaluations: set[int]
+    ) -> set[int]:
+        """Steps in (start, total] that may save (a new best: at most every evaluation)."""
+        if not self.enabled or start >= total:
+            return set()
+
+        def multiples(k: int | None) -> set[int]:
+            return set(range((start // k + 1) * k, total + 1, k)) if k else set()
+
+        saves = multiples(self.ck.get("every_n_steps"))
+        if self.ck.get("every_n_epochs"):
+            saves |= multiples(self.ck["every_n_epochs"] * steps_per_epoch)
+        if (self.ck.get("save_best") or {}).get("enabled", False):
+            saves |= evaluations
+        if self.ck.get("save_last", True):
+            saves.add(total)
+        return saves
+
+    def kept_on_disk(self) -> tuple[int, str]:
+        """How many checkpoints can be on disk at once, and why that many."""
+        keep = max(fmt.MIN_KEEP, int(self.ck.get("keep_last", 3)))
+        best = 1 if (self.ck.get("save_best") or {}).get("enabled", False) else 0
+        return keep + best + 1, f"keep_last {keep}{' + best' if best else ''} + 1 in flight"
+
+    # --- resume ----------------------------------------------------------------------
+
+    def resume(self) -> Position:
+        """Restore the newest valid checkpoint that ``checkpoint.resume`` points to.
+
+        ``auto``: this run dir's checkpoints, or a fresh start when there are none.
+        ``never``: a fresh start. A path (run dir, checkpoints dir or one
+        checkpoint): resume from there, or fail when nothing there is valid.
+        Once this run dir has checkpoints of its own, a path outside it only
+        started the run: restarting the same command continues from this run's
+        own checkpoints (a path inside it, e.g. an older checkpoint, is honored).
+        """
+        if not self.enabled:
+            return Position()
+        mode = str(self.ck.get("resume", "auto"))
+        if mode not in ("auto", "never") and fmt.committed_checkpoints(self.dir):
+            target = Path(mode).resolve()
+            if not target.is_relative_to(self.dir.parent.resolve()):
+                log.info(
+                    f"{self.dir} has checkpoints: continuing this run from them "
+                    f"(checkpoint.resume={mode} started it)"
+                )
+                mode = "auto"
+        if mode == "never":
+            existing = fmt.committed_checkpoints(self.dir)
+            if existing:
+                raise CheckpointError(
+                    f"checkpoint.resume=never, but {self.dir} already holds checkpoints "
+                    f"({existing[-1].name}, ...) of an earlier run; saving beside them would "
+                    "mix two runs. Use another run_name, move them away, or resume=auto"
+                )
+            log.info("checkpoint.resume=never: starting from scratch")
+            return Position()
+        if mode == "auto":
+            candidates = fmt.committed_checkpoints(self.dir)
+            if not candidates:
+                log.info(f"no checkpoint in {self.dir}: starting from scratch")
+                return Position()
+            where = f"checkpoint.resume=auto found {len(candidates)} in {self.dir}"
+        else:
+            try:
+                candidates = fmt.find_checkpoints(Path(mode))
+            except CheckpointError as err:
+                raise CheckpointError(f"checkpoint.resume={err}") from None
+            where = f"checkpoint.resume={mode}"
+        problems = []
+        for ckpt in reversed(candidates):  # newest first
+            try:
+                position = self.load(ckpt)
+            except ConfigMismatch:
+                raise
+            except CheckpointError as err:
+                log.warning(f"skipping checkpoint {ckpt}: {err}")
+                problems.append(str(err))
+                continue
+            self.resumed_from = str(ckpt)
+            self._position = self.state.position = position
+            self.accelerator.wait_for_everyone()  # every rank chose before anything moves
+            if self.accelerator.is_main_process:
+                for old, new in fmt.set_aside_newer_than(self.dir, position.step):
+                    log.warning(f"{old.name} is newer than the resumed checkpoint: moved to {new}")
+            log.info(
+                f"resumed from {ckpt}: step {position.step}, epoch {position.epoch + 1}, "
+                f"batch {position.batch} of {self.batches_per_epoch}"
+            )
+            return position
+        detail = "\n  ".join(problems) or "no checkpoint folders there"
+        raise CheckpointError(
+            f"{where}: no valid checkpoint, so nothing to resume (not starting over "
+            f"silently):\n  {detail}"
+        )
+
+    def load(self, ckpt: Path) -> Position:
+        """Restore one checkpoint; return where training continues.
+
+        Every file is verified and parsed first and the config compared; the
+        live objects are touched only after that, so a bad checkpoint (raises
+        CheckpointError) changes nothing. ConfigMismatch: it belongs to another
+        kind of run, which no fallback can fix."""
+        position, trainer = self._restore(ckpt)
+        self.best = trainer.get("best_checkpoint")
+        self._last_saved_step = position.step
+        return position
+
+    def _restore(self, ckpt: Path) -> tuple[Position, dict[str, Any]]:
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        manifest = fmt.read_manifest(ckpt)
+        saved_world = int(manifest.get("world_size", 1))
+        rng_name = f"rng_rank{rank % saved_world}.pt"
+        names = [n for n in manifest["files"] if not n.startswith("rng_rank")] + [rng_name]
+        loaded = fmt.verify_files(ckpt, names, parse=fmt.parse_file)
+        allowed = allowed_config_changes(self.config)
+        diffs = config_differences(loaded["config.json"], self.config, allowed)
+        if diffs:
+            # Not a fallback case: every checkpoint of that run has the same config.
+            raise ConfigMismatch(
+                f"cannot resume from {ckpt}: the config differs in keys that change the "
+                "model, data or optimization:\n  " + "\n  ".join(diffs) + "\n"
+                "Start a new run (another run_name, or checkpoint.resume=never), or put "
+                "the keys back. Allowed to change: " + ", ".join(allowed)
+            )
+        if saved_world != world:
+            log.warning(
+                f"{ckpt} was saved with {saved_world} processes, resuming with {world}: "
+                "the run continues, but not bit-exactly"
+            )
+        trainer = loaded["trainer_state.json"]
+        try:
+            full_state.load_model_and_optimizer(
+                self.accelerator,
+                self.state.model,
+                self.state.optimizer,
+                loaded["model.safetensors"],
+                loaded["optimizer.pt"],
+            )
+            self.state.scheduler.load_state_dict(loaded["scheduler.pt"])
+            scaler = getattr(self.accelerator, "scaler", None)
+            if scaler is not None and "scaler.pt" in loaded:
+                scaler.load_state_dict(loaded["scaler.pt"])
+            for name, obj in self.state.stateful.items():
+                if name in trainer["stateful"]:
+                    obj.load_state_dict(trainer["stateful"][name])
+            if self.guard is not None and "loss_guard" in trainer:
+                self.guard.load_state_dict(trainer["loss_guard"])
+            set_rng_state(loaded[rng_name])  # last: nothing after this draws numbers
+        except (RuntimeError, KeyError, ValueError) as err:
+            raise ConfigMismatch(f"{ckpt}: the state does not fit this run: {err}") from err
+        # At the end of an epoch, batch == batches_per_epoch: train.py skips
+        # the whole epoch (nothing left of it) and goes on with the next one.
+        position = Position(int(trainer["step"]), int(trainer["epoch"]), int(trainer["batch"]))
+        return position, trainer
+
+    # --- save ------------------------------------------------------------------------
+
+    def maybe_save(
+        self, step: int, epoch: int, batch: int, *, metrics: dict, fresh: dict, stop: bool
+    ) -> Path | None:
+        """At every optimizer-step boundary: save when a rule says so (every N
+        steps, at the end of every N epochs, on a new best value of
+        ``save_best.monitor`` among the ``fresh`` metrics logged at this step,
+        after a stop signal: ``stop``, from ``StopSignals.poll_stop``).
+        ``metrics``: the latest value of every metric, for the manifest."""
+        self._position = Position(step, epoch, batch)
+        self._metrics = dict(metrics)
+        if not self.enabled:
+            return None
+        if self._in_flight is not None and not self._in_flight.thread.is_alive():
+            self.wait()  # done: a failure surfaces now rather than at the next save
+        reasons = []
+        every_steps, every_epochs = self.ck.get("every_n_steps"), self.ck.get("every_n_epochs")
+        if every_steps and step % every_steps == 0:
+            reasons.append("every_n_steps")
+        if every_epochs and batch == self.batches_per_epoch and (epoch + 1) % every_epochs == 0:
+            reasons.append("every_n_epochs")
+        if self._is_new_best(step, fresh):
+            reasons.append("best")
+        if self.ck.get("save_on_signal", True) and stop:
+            reasons.append("signal")
+        if not reasons or self._last_saved_step == step:
+            return None
+        return self.save(step, epoch, batch, reasons)
+
+    def finish(self, *, metrics: dict, stop: bool) -> None:
+        """After the loop: the final save (``save_last``; after a stop signal,
+        the stop checkpoint) and the save in flight committed on every rank.
+        The position saved is the last one passed to ``maybe_save``."""
+        step, epoch, batch = self._position.step, self._position.epoch, self._position.batch
+        self._metrics = dict(metrics)
+        last = self.ck.get("save_last", True) or stop
+        if self.enabled and last and self._last_saved_step != step:
+            self.save(step, epoch, batch, ["signal" if stop else "last"])
+        if self.enabled and self.asynchronous:
+            self.wait()
+            self.accelerator.wait_for_everyone()  # the main process has committed
+
+    def _is_new_best(self, step: int, fresh: dict) -> bool:
+        best_cfg = self.ck.get("save_best") or {}
+        monitor = best_cfg.get("monitor")
+        if not best_cfg.get("enabled", False) or monitor not in fresh:
+            return False
+        value = fresh[monitor]
+        if value != value:  # NaN never improves
+            return False
+        if self.best is not None:
+            better = (
+                value > self.best["value"]
+                if best_cfg["mode"] == "max"
+                else value < self.best["value"]
+            )
+            if not better:
+                return False
+        self._pending_best = {"step": step, "monitor": monitor, "value": value}
+        return True
+
+    def save(self, step: int, epoch: int, batch: int, reasons: list[str]) -> Path:
+        """Write one checkpoint with the atomic protocol (module docstring).
+
+        With ``checkpoint.async`` this returns once the state is staged (copied
+        to CPU memory the training does not touch); a background thread writes
+        and commits it with the same protocol. One save at most is in flight:
+        the next ``save`` and ``finish`` wait for it first."""
+        self.wait()
+        if self.guard is not None:
+            self.guard.check(step)  # never save the state after a non-finite loss
+        new_best = self._pending_best if "best" in reasons else None
+        self._pending_best = None
+        job = self._stage(step, epoch, batch, reasons, new_best, self.dir, self.asynchronous)
+        failed = commit.make_tmp(job, self.accelerator)
+        if new_best is not None:
+            self.best = new_best
+        self._last_saved_step = step
+        if self.asynchronous:
+            if failed is not None:  # no barrier follows: the other ranks write in background
+                shutil.rmtree(job.tmp, ignore_errors=True)
+                raise commit.write_error(job, failed)
+            self._in_flight = job
+            async_save.start(
+                job,
+                lambda j: self._write(j, None, sync=False),
+                announce=self.accelerator.is_main_process,
+            )
+            return job.final
+        self._write(job, failed, sync=True)
+        self.last_saved = job.final
+        self.accelerator.wait_for_everyone()
+        log.info(f"checkpoint saved: {job.final} ({', '.join(reasons)})")
+        return job.final
+
+    def scratch_save(self, directory: Path, step: int) -> Path:
+        """A synchronous save of the current state into ``directory`` (preflight's
+        round trip), with nothing of this run's checkpoints touched: no pruning,
+        no best, no change to what ``maybe_save`` and ``finish`` decide."""
+        job = self._stage(step, 0, 0, ["preflight"], None, Path(directory), False)
+        job.prune = False
+        self._write(job, commit.make_tmp(job, self.accelerator), sync=True)
+        self.accelerator.wait_for_everyone()
+        return job.final
+
+    def scratch_load(self, ckpt: Path) -> None:
+        """Restore a ``scratch_save`` (every live object), changing nothing else."""
+        self._restore(ckpt)
+
+    def wait(self) -> None:
+        """Block until the save in flight (``checkpoint.async``) is written and,
+        on the main process, committed; raise CheckpointError if it failed."""
+        job, self._in_flight = self._in_flight, None
+        if job is None:
+            return
+        error = async_save.join(job)
+        if isinstance(error, CheckpointError):
+            raise error
+        if error is not None:
+            raise CheckpointError(f"checkpoint {job.name} failed: {error!r}") from error
+        self.last_saved = job.final
+
+    def _stage(
+        self,
+        step: int,
+        epoch: int,
+        batch: int,
+        reasons: list[str],
+        new_best: dict | None,
+        root: Path,
+        asynchronous: bool,
+    ) -> async_save.SaveJob:
+        """Everything a checkpoint holds, taken now: tensors (main process:
+        model, optimizer; copied when async) and small files as bytes. In the
+        main thread on every rank: FSDP gathers the state here (collectives)."""
+        acc = self.accelerator
+        name = fmt.checkpoint_name(step)
+        best = new_best or self.best
+        model_state = full_state.model_state(acc, self.state.model)  # collectives under FSDP
+        optimizer_state = full_state.optimizer_state(acc, self.state.model, self.state.optimizer)
+        blobs = {f"rng_rank{acc.process_index}.pt": fmt.torch_bytes(rng_state())}
+        tensors: dict[str, Any] = {}
+        if acc.is_main_process:
+            tensors = {"model.safetensors": model_state, "optimizer.pt": optimizer_state}
+            blobs.update(self._small_files(step, epoch, batch, best))
+        job = async_save.SaveJob(
+            name=name,
+            step=step,
+            root=root,
+            tmp=root / f"{name}.tmp",
+            final=root / name,
+            reasons=reasons,
+            new_best=new_best,
+            best=best,
+            manifest={
+                "format": fmt.FORMAT_VERSION,
+                "step": step,
+                "epoch": epoch,
+                "batch": batch,
+                "reasons": reasons,
+                "metrics": dict(self._metrics),
+                "best": best,
+                "world_size": acc.num_processes,
+                "seed": self.config.get("seed"),
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "versions": fmt.versions(),
+            },
+            tensors=tensors,
+            blobs=blobs,
+        )
+        if asynchronous:  # training goes on and changes the live tensors
+            job.tensors, job.copied = self._stager.copy(tensors)
+        return job
+
+    def _small_files(
+        self, step: int, epoch: int, batch: int, best: dict[str, Any] | None
+    ) -> dict[str, bytes | memoryview]:
+        trainer_state = {
+            "step": step,
+            "epoch": epoch,
+            "batch": batch,
+            "batches_per_epoch": self.batches_per_epoch,
+            "best_checkpoint": best,
+            "stateful": {n: obj.state_dict() for n, obj in self.state.stateful.items()},
+            # W&B and MLflow run ids (tracking.py): a resume continues those runs.
+            "tracker_run_ids": {
+                t.name: t.run_id for t in self.accelerator.trackers if getattr(t, "run_id", None)
+            },
+        }
+        if self.guard is not None:
+            trainer_state["loss_guard"] = self.guard.state_dict()
+        blobs = {"scheduler.pt": fmt.torch_bytes(self.state.scheduler.state_dict())}
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None:
+            blobs["scaler.pt"] = fmt.torch_bytes(scaler.state_dict())
+        blobs["trainer_state.json"] = (json.dumps(trainer_state, indent=2) + "\n").encode()
+        blobs["config.json"] = (json.dumps(self.config, indent=2) + "\n").encode()
+        return blobs
+
+    def _write(self, job: async_save.SaveJob, failed: OSError | None, sync: bool) -> None:
+        keep_last = int(self.ck.get("keep_last", 3))
+        commit.write_and_commit(job, self.accelerator, failed, sync, self.timeout_s, keep_last)

@@ -1,0 +1,58 @@
+"""THE task: what a batch is, the loss of one, and the evaluation with its metrics.
+
+The training loop, preflight, throughput, tracking and bench.py ask this module;
+for a new task edit it (with ``model.py``/``data.py``) and nothing else. The
+example: classification (labels ``(batch,)``) and next-token prediction (targets
+``(batch, positions)``); every position is one prediction. README: "Use your own model and data".
+"""
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# What ``evaluate`` returns: ``trainer.monitor`` must be one of these.
+METRICS = ("val/loss", "val/acc")
+
+
+def inputs(*, batch: Any) -> Any:
+    """What the model is called with."""
+    return batch[0]
+
+
+def targets(*, batch: Any) -> torch.Tensor:
+    return batch[1]
+
+
+def batch_size(*, batch: Any) -> tuple[int, int | None]:
+    """(samples, tokens) in a batch; tokens is None for a task without positions."""
+    y = targets(batch=batch)
+    return len(y), (y.numel() if y.dim() > 1 else None)
+
+
+def cross_entropy(logits: torch.Tensor, y: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """Class labels (batch,) or token targets (batch, positions): both flatten
+    to rows of logits."""
+    return F.cross_entropy(logits.flatten(0, -2), y.flatten(), **kwargs)
+
+
+def loss(*, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """The training objective of one micro-batch of the train loader."""
+    return cross_entropy(model(inputs(batch=batch)), targets(batch=batch))
+
+
+@torch.no_grad()
+def evaluate(*, model: torch.nn.Module, loader: Any, accelerator: Any) -> dict[str, float]:
+    """METRICS over the whole validation set, summed across ranks. Call on every rank."""
+    model.eval()
+    loss_sum = torch.zeros((), device=accelerator.device)
+    correct = torch.zeros((), device=accelerator.device)
+    count = torch.zeros((), device=accelerator.device)
+    for batch in loader:
+        logits = model(inputs(batch=batch))
+        logits, y = accelerator.gather_for_metrics((logits, targets(batch=batch)))
+        loss_sum += cross_entropy(logits.float(), y, reduction="sum")
+        correct += (logits.argmax(dim=-1) == y).sum()
+        count += y.numel()
+    model.train()
+    return {"val/loss": (loss_sum / count).item(), "val/acc": (correct / count).item()}

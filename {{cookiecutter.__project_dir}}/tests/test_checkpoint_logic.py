@@ -1,0 +1,184 @@
+"""The checkpoints' pure logic, in-process (milliseconds): manifest and
+verification, path resolution, pruning rules, the config compatibility check,
+the planned saves preflight counts, and the stop decision. The real-process
+tests (signals, SIGKILL, disks, DDP) are in test_checkpoint.py."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from {{ cookiecutter.package_name }}.checkpoint import CheckpointManager
+from {{ cookiecutter.package_name }}.checkpoint import format as fmt
+from {{ cookiecutter.package_name }}.config import (
+    ALLOWED_CONFIG_CHANGES,
+    allowed_config_changes,
+    config_differences,
+)
+from {{ cookiecutter.package_name }}.preemption import StopSignals, TrainingInterrupted
+from {{ cookiecutter.package_name }}.state import TrainState
+
+
+def fake_checkpoint(root: Path, step: int, files: dict[str, bytes] | None = None) -> Path:
+    """A committed checkpoint folder with a valid manifest over ``files``."""
+    files = files or {name: f"{name} of {step}".encode() for name in fmt.REQUIRED_FILES}
+    tmp = root / f"{fmt.checkpoint_name(step)}.tmp"
+    tmp.mkdir(parents=True)
+    entries = {}
+    for name, data in files.items():
+        (tmp / name).write_bytes(data)
+        entries[name] = {"sha256": fmt.sha256(data), "size": len(data)}
+    final = root / fmt.checkpoint_name(step)
+    fmt.commit(tmp, final, {"step": step, "epoch": 0}, entries)
+    return final
+
+
+def test_manifest_commit_and_verify(tmp_path):
+    ckpt = fake_checkpoint(tmp_path, 7)
+    assert not (tmp_path / "step_0000007.tmp").exists()
+    manifest = fmt.read_manifest(ckpt)
+    assert manifest["step"] == 7 and set(manifest["files"]) == set(fmt.REQUIRED_FILES)
+    assert fmt.verify_checkpoint(ckpt) is None
+    (ckpt / "optimizer.pt").write_bytes(b"short")
+    assert "optimizer.pt: 5 bytes, the manifest says" in fmt.verify_checkpoint(ckpt)
+    (ckpt / "extra.bin").write_bytes(b"")
+    assert "files not in the manifest: extra.bin" in fmt.verify_checkpoint(ckpt)
+    other = fake_checkpoint(tmp_path, 8)
+    data = bytearray((other / "scheduler.pt").read_bytes())
+    data[0] ^= 1
+    (other / "scheduler.pt").write_bytes(bytes(data))
+    assert "sha256 does not match" in fmt.verify_checkpoint(other)
+    (other / fmt.MANIFEST).unlink()
+    assert "missing (an incomplete checkpoint)" in fmt.verify_checkpoint(other)
+
+
+def test_find_checkpoints_names_one_or_all(tmp_path):
+    root = tmp_path / "run" / "checkpoints"
+    ckpts = [fake_checkpoint(root, s) for s in (14, 7)]
+    (root / "step_0000021.tmp").mkdir()  # an interrupted save: never a candidate
+    assert fmt.find_checkpoints(tmp_path / "run") == [ckpts[1], ckpts[0]]
+    assert fmt.find_checkpoints(root) == [ckpts[1], ckpts[0]]
+    assert fmt.find_checkpoints(ckpts[0]) == [ckpts[0]]
+    with pytest.raises(fmt.CheckpointError, match="no such file or directory"):
+        fmt.find_checkpoints(tmp_path / "nowhere")
+    with pytest.raises(fmt.CheckpointError, match="an unfinished save"):
+        fmt.find_checkpoints(root / "step_0000021.tmp")
+
+
+def test_pruning_keeps_the_newest_and_the_best(tmp_path):
+    ckpts = [tmp_path / fmt.checkpoint_name(s) for s in (7, 10, 14, 20, 21)]
+    names = lambda paths: [p.name for p in paths]  # noqa: E731
+    assert names(fmt.to_prune(ckpts, 3, None)) == ["step_0000007", "step_0000010"]
+    assert names(fmt.to_prune(ckpts, 3, 10)) == ["step_0000007"]
+    assert names(fmt.to_prune(ckpts, 1, None)) == names(ckpts[:3])  # never below 2
+    assert fmt.to_prune(ckpts[:1], 1, None) == []  # never the newest
+    root = tmp_path / "real"
+    for step in (7, 10, 14):
+        fake_checkpoint(root, step)
+    fmt.prune(root, 14, keep_last=2, best_step=None)
+    fmt.threads("io").submit(lambda: None).result()  # deletions run in the io pool
+    assert names(fmt.committed_checkpoints(root)) == ["step_0000010", "step_0000014"]
+
+
+def test_config_differences_allow_only_the_listed_keys():
+    saved = {"seed": 1, "model": {"width": 8}, "trainer": {"max_steps": 10}, "tracker": {}}
+    current = {
+        "seed": 2,
+        "model": {"width": 8},
+        "trainer": {"max_steps": 20},
+        "tracker": {"csv": {}},
+    }
+    assert config_differences(saved, current) == ["seed: 1 -> 2"]
+    assert config_differences(saved, {**current, "seed": 1}) == []
+    assert config_differences({"a": 1}, {}) == ["a: 1 -> '<absent>'"]
+    # The example data declares its harmless arguments; the infrastructure names none.
+    assert not any(key.startswith(("data.", "model.")) for key in ALLOWED_CONFIG_CHANGES)
+    config = {"data": {"_target_": "{{ cookiecutter.package_name }}.data.digits"}}
+    allowed = allowed_config_changes(config)
+    assert {"data.num_workers", "data.pin_memory", "data.val_batch_size"} <= set(allowed)
+    old = {"data": {"num_workers": 0, "batch_size": 32}}
+    new = {"data": {"num_workers": 2, "batch_size": 64}}
+    assert config_differences(old, new, allowed) == ["data.batch_size: 32 -> 64"]
+
+
+def manager(tmp_path: Path, batches: int = 10, **checkpoint) -> CheckpointManager:
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    state = TrainState(model, optimizer, scheduler, train_loader=[None] * batches, val_loader=[])
+    return CheckpointManager(
+        checkpoint={"enabled": True, **checkpoint},
+        config={"seed": 0},
+        run_dir=tmp_path,
+        accelerator=Accelerator(cpu=True),
+        state=state,
+    )
+
+
+def test_explicit_path_without_a_valid_checkpoint_fails(tmp_path):
+    """(Was a train.py run: exit code 1 comes from CheckpointError.exit_code, and
+    train.py turns every CheckpointError into it without a traceback, as the
+    resume=never case of test_checkpoint.py shows with a real process.)"""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    run = tmp_path / "run"
+    with pytest.raises(fmt.CheckpointError) as err:
+        manager(run, resume=str(empty)).resume()
+    assert err.value.exit_code == 1
+    assert f"checkpoint.resume={empty}: no valid checkpoint" in str(err.value)
+    assert "not starting over silently" in str(err.value)
+    assert not (run / "checkpoints").exists()
+
+
+def test_planned_saves_and_checkpoints_on_disk(tmp_path):
+    ckpt = manager(tmp_path, every_n_steps=7, save_best={"enabled": True}, keep_last=1)
+    evals = {10, 20, 30}
+    assert ckpt.planned_saves(30, 0, steps_per_epoch=10, evaluations=evals) == {
+        7,
+        14,
+        21,
+        28,
+        10,
+        20,
+        30,
+    }
+    assert ckpt.planned_saves(30, 14, steps_per_epoch=10, evaluations={20, 30}) == {21, 28, 20, 30}
+    assert ckpt.planned_saves(30, 30, steps_per_epoch=10, evaluations=set()) == set()
+    assert ckpt.kept_on_disk() == (4, "keep_last 2 + best + 1 in flight")  # keep_last >= 2
+    epochs = manager(tmp_path, every_n_steps=None, every_n_epochs=2, save_last=False)
+    assert epochs.planned_saves(50, 0, steps_per_epoch=10, evaluations={50}) == {20, 40}
+    assert epochs.kept_on_disk() == (4, "keep_last 3 + 1 in flight")
+
+
+def test_best_rule_reads_the_metrics_passed_in(tmp_path):
+    ckpt = manager(
+        tmp_path,
+        every_n_steps=None,
+        save_best={"enabled": True, "monitor": "val/acc", "mode": "max"},
+    )
+    assert ckpt.maybe_save(1, 0, 1, metrics={}, fresh={"train/loss": 1.0}, stop=False) is None
+    saved = ckpt.maybe_save(2, 0, 2, metrics={"val/acc": 0.5}, fresh={"val/acc": 0.5}, stop=False)
+    assert saved == tmp_path / "checkpoints" / "step_0000002"
+    assert json.loads((saved / fmt.MANIFEST).read_text())["reasons"] == ["best"]
+    assert ckpt.maybe_save(3, 0, 3, metrics={}, fresh={"val/acc": 0.4}, stop=False) is None
+    assert ckpt.maybe_save(4, 0, 4, metrics={}, fresh={"val/acc": float("nan")}, stop=False) is None
+    stopped = ckpt.maybe_save(5, 0, 5, metrics={}, fresh={}, stop=True)
+    assert json.loads((stopped / fmt.MANIFEST).read_text())["reasons"] == ["signal"]
+    best = json.loads((tmp_path / "checkpoints" / "best.json").read_text())
+    assert best == {"step": 2, "path": "step_0000002", "monitor": "val/acc", "value": 0.5}
+
+
+def test_a_stop_signal_is_acted_on_by_poll_stop_and_finish():
+    import signal
+
+    signals = StopSignals(accelerator=Accelerator(cpu=True), enabled=True)
+    assert signals.poll_stop(1) is False
+    signal.raise_signal(signal.SIGUSR1)
+    assert signals.poll_stop(2) is True and signals.stopped
+    with pytest.raises(TrainingInterrupted) as err:
+        signals.finish(saved=Path("/x/step_0000002"))
+    assert err.value.exit_code == 138 and "checkpoint saved at /x/step_0000002" in str(err.value)
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the old handler is back
+    assert StopSignals(accelerator=Accelerator(cpu=True), enabled=False).poll_stop(1) is False
