@@ -362,16 +362,23 @@ def test_malicious_pickle_is_refused_and_never_runs(reference, tmp_path):
 
 
 def test_incompatible_config_is_refused_listing_the_keys(reference, tmp_path):
+    changed = ["model.width=64", "optimizer=sgd", "seed=1"]
+    # In the run's own directory the run dir's claim refuses first (nothing written).
     run = copy_run(reference(0), tmp_path / "run")
-    refused = run_train(run, *ARGS, "model.width=64", "optimizer=sgd", "seed=1", check=False)
-    assert refused.proc.returncode == 1 and "Traceback" not in refused.output
+    refused = run_train(run, *ARGS, *changed, check=False)
+    assert refused.proc.returncode == 2 and "Traceback" not in refused.output
+    assert f"{run} holds another run (its config differs in " in refused.output
+    assert steps_in(run) == steps_in(reference(0))  # nothing set aside or deleted
+    # Resuming another run's checkpoint from a new directory: the checkpoint refuses.
+    ckpt = ckpt_dir(reference(0), 70)
+    other = run_train(tmp_path / "new", *ARGS, *changed, f"checkpoint.resume={ckpt}", check=False)
+    assert other.proc.returncode == 1 and "Traceback" not in other.output
     assert "the config differs in keys that change the model, data or optimization" in (
-        refused.output
+        other.output
     )
     for key in ("model.width", "optimizer._target_", "optimizer.lr", "seed"):
-        assert f"  {key}: " in refused.output
-    assert "trainer.max_steps" not in refused.output.split("Allowed to change")[0]
-    assert steps_in(run) == steps_in(reference(0))  # nothing set aside or deleted
+        assert f"  {key}: " in other.output
+    assert "trainer.max_steps" not in other.output.split("Allowed to change")[0]
 
 
 # --- bad conditions ----------------------------------------------------------------------------

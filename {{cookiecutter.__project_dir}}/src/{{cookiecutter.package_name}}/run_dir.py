@@ -151,7 +151,7 @@ class Claim:
 def inspect(run_dir: Path, cfg: DictConfig) -> tuple[str, dict[str, Any] | None]:
     """Read-only: (kind, summary) of ``run_dir`` for this config. Raises
     RunDirError for another run's directory. Every launching process may ask."""
-    if not run_dir.is_dir() or not {p.name for p in run_dir.iterdir()} - LEFT_BY_A_FAILED_START:
+    if not _holds_files(run_dir):
         return "new", None
     saved_path = run_dir / "config.json"
     if not saved_path.is_file():
@@ -191,6 +191,19 @@ def inspect(run_dir: Path, cfg: DictConfig) -> tuple[str, dict[str, Any] | None]
             "cannot continue to the new trainer.max_steps/max_epochs: use another run_name"
         )
     return "continue", summary
+
+
+def _holds_files(run_dir: Path) -> bool:
+    """Any file in it (empty folders, e.g. a mount point for checkpoints, and
+    what a failed start leaves in a sweep do not count)."""
+    if not run_dir.is_dir():
+        return False
+    return any(
+        p.is_file()
+        for top in run_dir.iterdir()
+        if top.name not in LEFT_BY_A_FAILED_START
+        for p in ([top] if not top.is_dir() else top.rglob("*"))
+    )
 
 
 @contextlib.contextmanager
