@@ -23,6 +23,15 @@ NOT_CHOSEN = {
 }
 
 
+# The same lines as the project README's "Set up and run" (a bake test keeps them equal).
+NEXT_STEPS = [
+    "python3 -m venv .venv && . .venv/bin/activate",
+    'pip install torch==2.13.0   # first; CPU wheel or CUDA build: README.md, "Installing torch"',
+    "pip install -e '.[dev]'",
+    "python train.py            # train the example task",
+    "pytest                     # run the project's tests",
+]
+
 # cookiecutter's abbreviations, written out: cruft clones the template with git
 ABBREVIATIONS = {
     "gh:": "https://github.com/",
@@ -96,15 +105,8 @@ def main() -> None:
         elif remove and path.exists():
             path.unlink()
     write_cruft_state(root)
-    print(
-        f"\nCreated {root}\n\nNext steps:\n"
-        f"  cd {SLUG}\n"
-        "  python3 -m venv .venv && . .venv/bin/activate\n"
-        "  pip install torch==2.13.0   # or the CUDA build for your machine\n"
-        "  pip install -e '.[dev]'\n"
-        "  python train.py            # train the example task\n"
-        "  pytest                     # run the project's tests\n"
-    )
+    steps = "".join(f"  {line}\n" for line in [f"cd {SLUG}", *NEXT_STEPS])
+    print(f"\nCreated {root}\n\nNext steps:\n{steps}")
 
 
 if __name__ == "__main__":
