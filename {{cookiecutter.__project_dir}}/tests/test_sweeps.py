@@ -152,6 +152,21 @@ def test_search_space_syntax():
 
 
 @needs_optuna
+def test_a_nan_or_missing_value_fails_its_trial():
+    import optuna
+    from hydra.core.utils import JobReturn, JobStatus
+
+    plugin = OmegaConf.load(CONFIG_DIR / "hydra" / "sweeper" / "optuna.yaml")._target_
+    tell = importlib.import_module(plugin.rsplit(".", 1)[0]).tell
+    study = optuna.create_study()
+    for value in (float("nan"), None, 0.5):
+        ret = JobReturn(status=JobStatus.COMPLETED, _return_value=value)
+        tell(study, study.ask(), ret)
+    assert states(study) == ["FAIL", "FAIL", "COMPLETE"]
+    assert "not a finite number" in study.trials[0].user_attrs["error"]
+
+
+@needs_optuna
 def test_the_same_optuna_command_twice_continues_the_study(tmp_path):
     command = [*OPTUNA, "hydra.sweeper.n_trials=3"]
     for _ in range(2):

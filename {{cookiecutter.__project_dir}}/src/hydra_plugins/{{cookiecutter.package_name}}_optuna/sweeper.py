@@ -122,8 +122,13 @@ class OptunaSweeper(Sweeper):
                         f"{TRIAL_KEY}.number={trial.number}",
                     ]
                 batch.append(overrides)
-            self.validate_batch_is_legal(batch)
-            returns = self.launcher.launch(batch, initial_job_idx=job_idx)
+            try:
+                self.validate_batch_is_legal(batch)
+                returns = self.launcher.launch(batch, initial_job_idx=job_idx)
+            except BaseException as err:  # no results (a bad override, Ctrl-C): not left RUNNING
+                for trial in trials:
+                    _fail(study, trial, f"not run: {type(err).__name__}: {err}")
+                raise
             job_idx += len(returns)
             exhausted = False
             for trial, ret in zip(trials, returns, strict=True):
