@@ -39,6 +39,7 @@ from {{ cookiecutter.package_name }}.nonfinite import LossGuard, NonFiniteLoss
 from {{ cookiecutter.package_name }}.preemption import StopSignals, TrainingInterrupted
 from {{ cookiecutter.package_name }}.preflight import PreflightFailed, run_preflight
 from {{ cookiecutter.package_name }}.progress import Progress, RunClock
+from {{ cookiecutter.package_name }}.pruning import TrialPruned, TrialReporter
 from {{ cookiecutter.package_name }}.run_dir import (
     check_shared_storage,
     claim,
@@ -128,6 +129,10 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     )
     start_at = ckpt.resume()  # step/epoch/batch 0 unless resuming; restores every state
     step, epoch = start_at.step, start_at.epoch
+    # -m hparams_search=optuna: this job's trial, told every evaluation (else a no-op)
+    trial = TrialReporter.from_config(
+        cfg.get("optuna_trial"), accelerator=accelerator, run_dir=run_dir
+    )
 
     # --- preflight: devices, memory, disk, checkpoint round trip, speed and ETA -------
     # A failed check raises PreflightFailed (exit 1); the state is left as it was.
@@ -208,6 +213,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
             ckpt.maybe_save(
                 step, epoch, batch, metrics=book.last, fresh=book.fresh(step), stop=stop
             )
+            trial.report_and_check(step, book)  # Optuna pruning: raises TrialPruned (saved first)
             if step == total_steps or stop:
                 break
     progress.close()
@@ -288,6 +294,11 @@ def main(cfg: DictConfig) -> float | None:
         log.error(str(err))  # exit codes: 2 bad config, 1 failure, 3 NaN/inf loss
         if in_sweep():
             raise  # Hydra marks the job failed, runs the others, and the sweep exits 1
+        sys.exit(err.exit_code)
+    except TrialPruned as err:  # an Optuna trial stopped by its pruner (exit code 4)
+        log.info(str(err))
+        if in_sweep():
+            raise  # the sweeper records the trial as PRUNED and goes on
         sys.exit(err.exit_code)
     except TrainingInterrupted as err:  # SIGTERM 143, SIGUSR1 138, SIGUSR2 140: restart to resume
         log.warning(str(err))

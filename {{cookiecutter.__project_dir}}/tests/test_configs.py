@@ -42,7 +42,9 @@ def test_option_composes_and_instantiates(group, option, compose_cfg, tmp_path):
             and importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None
         ):
             pytest.skip("hydra-submitit-launcher is not installed (pip install '.[slurm]')")
-        cfg = compose_cfg(f"{group}={option}", hydra_config=True)
+        # The sampler and pruner groups live inside the Optuna sweeper's config.
+        sweeper = ["hydra/sweeper=optuna"] if group.startswith("hydra/sweeper/") else []
+        cfg = compose_cfg(*sweeper, f"{group}={option}", hydra_config=True)
         node = OmegaConf.select(cfg, group.replace("/", "."))
         if group == "hydra/callbacks":  # a mapping of callbacks, empty for none
             assert all("_target_" in callback for callback in node.values())
@@ -50,10 +52,6 @@ def test_option_composes_and_instantiates(group, option, compose_cfg, tmp_path):
         else:
             assert node is not None and "_target_" in node
         return
-    if group == "hparams_search" and not importlib.util.find_spec(
-        "hydra_plugins.hydra_optuna_sweeper"
-    ):
-        pytest.skip("hydra-optuna-sweeper is not installed (pip install '.[optuna]')")
     cfg = compose_cfg(f"{group}={option}", *NEEDS.get((group, option), []))
     resolved = resolve_config(cfg)
     assert "${" not in OmegaConf.to_yaml(resolved)

@@ -3,13 +3,11 @@
 After every job and at the end of the sweep it rewrites ``summary.csv`` and
 ``summary.md`` at the sweep root: one row per job (its overrides, status, best
 value of the monitored metric, final metrics), completed jobs ranked by the
-monitored metric, failed and unfinished jobs listed after them. Rewriting after
+monitored metric, then the Optuna trials that the pruner stopped ("pruned"),
+failed and unfinished jobs. Rewriting after
 every job keeps the summary right even when the sweep stops early (Hydra skips
 ``on_multirun_end`` when a job failed) and when the jobs run elsewhere (SLURM
 arrays, submitit): each job's process updates it under a file lock.
-
-It also creates the directory of a sqlite Optuna storage before the sweeper
-opens it, so that ``hparams_search=optuna`` can keep its study beside the runs.
 
 It lives in the installed package (not beside ``train.py``) because launchers
 that run jobs in other processes must import it there.
@@ -30,6 +28,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from .launch import global_rank
+from .pruning import is_pruned
 from .run_dir import RunDirError, save_hydra_files, write_json_atomic, write_text_atomic
 
 log = logging.getLogger(__name__)
@@ -38,11 +37,6 @@ STATUS_FILE = "job_status.json"  # in each job's run dir, written when the job e
 
 
 class SweepSummary(Callback):
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        storage = config.hydra.sweeper.get("storage")
-        if isinstance(storage, str) and storage.startswith("sqlite:///"):
-            Path(storage.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         # Every SLURM task of a job calls this; rank 0 speaks for the job.
         if config.hydra.mode != RunMode.MULTIRUN or global_rank() != 0:
@@ -56,7 +50,10 @@ class SweepSummary(Callback):
             save_hydra_files(run_dir, task_cfg)
         failed = job_return.status == JobStatus.FAILED
         error = " ".join(str(job_return._return_value).split()) if failed else ""
-        status = {"status": "failed" if failed else "completed", "error": error[:300]}
+        outcome = "completed"
+        if failed:
+            outcome = "pruned" if is_pruned(job_return._return_value) else "failed"
+        status = {"status": outcome, "error": error[:300]}
         write_json_atomic(run_dir / STATUS_FILE, status)
         write_sweep_summary(Path(config.hydra.sweep.dir))
 
@@ -85,12 +82,18 @@ def job_row(job_dir: Path, sweep_dir: Path) -> dict[str, Any]:
 
 
 def rank_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Completed jobs best first (by their monitor mode), then the others."""
+    """Completed jobs best first (by their monitor mode), then pruned, failed and
+    unfinished ones, each in job order."""
     done = [r for r in rows if r["status"] == "completed" and r.get("best") is not None]
     rest = [r for r in rows if r not in done]
     done.sort(key=lambda r: r["best"], reverse=bool(done) and done[0]["mode"] == "max")
+    order = {"pruned": 0, "failed": 1}
     return done + sorted(
-        rest, key=lambda r: [int(p) if p.isdigit() else p for p in r["job"].split("/")]
+        rest,
+        key=lambda r: [
+            order.get(r["status"], 2),
+            *(int(p) if p.isdigit() else p for p in r["job"].split("/")),
+        ],
     )
 
 
@@ -135,14 +138,17 @@ def write_sweep_summary(sweep_dir: Path) -> Path:
 
 
 def _markdown(sweep_dir: Path, rows: list[dict], header: list[str], table: list[list]) -> str:
-    counts = {s: sum(r["status"] == s for r in rows) for s in ("completed", "failed", "unfinished")}
+    states = ("completed", "pruned", "failed", "unfinished")
+    counts = {s: sum(r["status"] == s for r in rows) for s in states}
     monitor = next((r["monitor"] for r in rows if r.get("monitor")), "the monitored metric")
     mode = rows[0]["mode"] if rows else "max"
     lines = [
         f"# Sweep summary: {sweep_dir}",
         "",
-        f"{len(rows)} jobs: {counts['completed']} completed, {counts['failed']} failed, "
-        f"{counts['unfinished']} unfinished. Ranked by the best {monitor} ({mode}).",
+        f"{len(rows)} jobs: {counts['completed']} completed, "
+        + (f"{counts['pruned']} pruned, " if counts["pruned"] else "")
+        + f"{counts['failed']} failed, {counts['unfinished']} unfinished. "
+        f"Ranked by the best {monitor} ({mode}).",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
