@@ -293,7 +293,7 @@ def run_pytest(python: str, project: Path, *args: str, env: dict | None = None) 
         capture_output=True,
         text=True,
         env=env,
-        timeout=1800,
+        timeout=2700,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]

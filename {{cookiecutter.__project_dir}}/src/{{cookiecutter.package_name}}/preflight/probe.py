@@ -333,21 +333,6 @@ def _loaders_untouched(*loaders: Any) -> Iterator[None]:
                 loader.end()  # an abandoned iteration never ends itself
 
 
-@contextlib.contextmanager
-def _scratch_dir(path: Path, acc: Any) -> Iterator[None]:
-    """``path`` empty on entry, gone on exit (the main process acts; all wait).
-    No barrier on an error: the other ranks may be inside another collective."""
-    if acc.is_main_process:
-        shutil.rmtree(path, ignore_errors=True)
-    acc.wait_for_everyone()
-    try:
-        yield
-        acc.wait_for_everyone()
-    finally:
-        if acc.is_main_process:
-            shutil.rmtree(path, ignore_errors=True)
-
-
 # --- what has no public API: each in one small function -----------------------------
 
 
