@@ -76,8 +76,9 @@ def tensors(path: Path) -> dict:
 
 
 def trainer_state(ckpt: Path) -> dict:
-    """trainer_state.json without the timing metrics (perf/*), which differ."""
+    """trainer_state.json without the timings (perf/*, the run's clock), which differ."""
     state = json.loads((ckpt / "trainer_state.json").read_text())
+    state["stateful"].pop("clock", None)
     last = state["stateful"]["metrics"]["last"]
     state["stateful"]["metrics"]["last"] = {k: v for k, v in last.items() if "perf/" not in k}
     return state

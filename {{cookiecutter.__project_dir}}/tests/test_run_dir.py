@@ -116,7 +116,7 @@ def test_a_finished_run_rerun_changes_nothing_and_a_longer_one_continues(tmp_pat
     assert summary["step"] == 30 and summary["resumed_from"] == str(ckpt)
     # summary.json describes the whole run: the first attempt's training time is in it.
     assert summary["wall_time_s"] > trained_before["train_s"] > 0
-    assert summary["steps_per_sec"] == round(30 / summary["wall_time_s"], 3)
+    assert summary["steps_per_sec"] == pytest.approx(30 / summary["wall_time_s"], rel=1e-3)
 
 
 def test_a_live_run_dir_is_refused(tmp_path):
