@@ -31,15 +31,16 @@ BAKES = {
     "speech": {
         "project_name": "Speech-Net 2",
         "python_version": "3.12",
+        "scope": "one_node",  # parallel=ddp by default: its smoke test runs 2 CPU processes
         "default_tracker": "tensorboard",
         "license": "BSD-3-Clause",
         "include_slurm": "yes",
     },
     "tabular": {
         "project_name": "Tabular",
+        "scope": "multi_node",  # parallel=fsdp by default: 2 CPU processes too
         "default_tracker": "wandb",
         "license": "Proprietary",
-        "include_slurm": "no",
     },
     # Differs from the default bake in the default tracker only, which
     # test_choices_land_in_the_project checks: its own tests would run the same
@@ -64,6 +65,11 @@ def context_of(name: str) -> dict[str, str]:
     if "package_name" not in BAKES[name]:
         ctx["package_name"] = ctx["project_slug"]
     return ctx
+
+
+def default_parallel(ctx: dict[str, str]) -> str:
+    """The `parallel` default the scope sets (cookiecutter.json's __default_parallel)."""
+    return {"one_device": "none", "one_node": "ddp", "multi_node": "fsdp"}[ctx["scope"]]
 
 
 def expected_files(ctx: dict[str, str]) -> set[str]:
@@ -241,7 +247,7 @@ def test_choices_land_in_the_project(baked, name):
     assert ("slurm" in meta["optional-dependencies"]) == (ctx["include_slurm"] == "yes")
     defaults = yaml.safe_load((project / "configs/train.yaml").read_text())["defaults"]
     assert {"tracker": ctx["default_tracker"]} in defaults
-    assert {"parallel": ctx["default_parallel"]} in defaults
+    assert {"parallel": default_parallel(ctx)} in defaults
     cruft_answers = json.loads((project / ".cruft.json").read_text())["context"]["cookiecutter"]
     assert {k: cruft_answers[k] for k in ctx} == ctx  # what cruft update bakes again with
     workflow = yaml.safe_load((project / ".github/workflows/ci.yml").read_text())
@@ -263,11 +269,17 @@ def test_choices_land_in_the_project(baked, name):
 def test_readme_names_the_chosen_defaults(baked, name):
     """The README says what this bake chose, and installs as the post-gen message says."""
     ctx, readme = context_of(name), (baked[name] / "README.md").read_text()
-    tracker, parallel = ctx["default_tracker"], ctx["default_parallel"]
+    tracker, parallel = ctx["default_tracker"], default_parallel(ctx)
     assert f"The default is `tracker={tracker}`" in readme
     assert f"`none` (default: `{tracker}`)" in readme  # the config table's tracker row
     assert f"The default is `parallel={parallel}`" in readme
     assert f"`deepspeed` (default: `{parallel}`)" in readme
+    opening = readme.split("## Configuration", 1)[0]  # the scope's paragraph comes first
+    for scope in COOKIECUTTER_JSON["scope"]:
+        assert (f"(scope `{scope}`)" in opening) == (scope == ctx["scope"]), scope
+    if ctx["scope"] == "multi_node":
+        assert "parallel.num_nodes=2 parallel.node_rank=R" in opening
+        assert ("hydra/launcher=slurm" in opening) == (ctx["include_slurm"] == "yes")
     for other in set(COOKIECUTTER_JSON["default_tracker"]) - {tracker}:
         assert f"`tracker={other}` (the default)" not in readme
         assert f"The default is `tracker={other}`" not in readme
@@ -315,7 +327,9 @@ def test_baked_project_tests_pass_in_shared_env(baked, name):
     # And the same-seed tests (0 and 2 loader workers): reproducibility in every
     # bake (the CPU thread count is pinned at start-up: seeding.pin_cpu_threads).
     same_seed = "tests/test_train.py::test_same_seed_gives_identical_weights"
-    selected = ["-m", "not slow and not multiprocess", "tests/test_configs.py", same_seed]
+    # And the smoke test of the bake's own default (2 CPU processes for one_node/multi_node).
+    smoke = "tests/test_train.py::test_smoke_run_writes_the_run_directory"
+    selected = ["-m", "not slow and not multiprocess", "tests/test_configs.py", same_seed, smoke]
     run_pytest(sys.executable, baked[name], *selected, env=env)
 
 

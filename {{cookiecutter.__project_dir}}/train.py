@@ -81,7 +81,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
         model,
         accelerator.device,
         accelerator.num_processes,
-        cfg.trainer.mixed_precision,
+        accelerator.mixed_precision,  # trainer.mixed_precision with auto resolved
         cfg.trainer.peak_tflops,
     )
     model, optimizer, train_loader, val_loader = accelerator.prepare(

@@ -13,14 +13,20 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from {{ cookiecutter.package_name }}.config import resolve_config
+from {{ cookiecutter.package_name }}.config import instantiate, resolve_config
+from {{ cookiecutter.package_name }}.launch import processes_per_node
 
 from .conftest import FAST, PROJECT_ROOT, run_train
 
 
-def test_smoke_run_writes_the_run_directory(train_run):
+def test_smoke_run_writes_the_run_directory(train_run, compose_cfg):
+    """The project's default as baked (parallel=ddp or fsdp: 2 CPU processes here)."""
     run = train_run(*FAST)
     d = run.run_dir
+    cfg = compose_cfg(*FAST)
+    world = processes_per_node(cfg.parallel)
+    train_samples = len(instantiate(cfg.data, what="data").train.dataset)
+    steps_per_epoch = math.ceil(math.ceil(train_samples / world) / cfg.data.batch_size)
     for name in [
         ".hydra/config.yaml",
         "config.yaml",
@@ -52,7 +58,8 @@ def test_smoke_run_writes_the_run_directory(train_run):
         "skipped_nan_steps",
     }
     assert s["resumed_from"] is None and s["skipped_nan_steps"] == 0
-    assert s["step"] == 30 and s["epoch"] == 2 and s["world_size"] == 1
+    assert s["step"] == 30 and s["world_size"] == world
+    assert s["epoch"] == math.ceil(30 / steps_per_epoch)  # 2 epochs of 23 steps in one process
     assert s["wall_time_s"] > 0 and s["steps_per_sec"] > 0
     assert {
         "train/loss",
@@ -178,7 +185,7 @@ def test_train_returns_the_best_monitored_metric(compose_cfg, tmp_path):
         ("data.batch_size=0", "data.batch_size=0 is not allowed: expected an integer >= 1"),
         (
             "trainer.mixed_precision=fp8",
-            "trainer.mixed_precision='fp8' is not allowed: expected one of no, bf16, fp16",
+            "trainer.mixed_precision='fp8' is not allowed: expected one of auto, no, bf16, fp16",
         ),
         ("trainer.mixed_precision=fp16", "trainer.mixed_precision='fp16' needs a GPU"),
         ("trainer.monitor=val/f1", "trainer.monitor='val/f1' is not a logged metric"),

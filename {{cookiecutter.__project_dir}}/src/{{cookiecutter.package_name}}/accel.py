@@ -3,6 +3,7 @@ accumulation, trackers; and refuse the silent fallbacks accelerate allows."""
 
 import functools
 import hashlib
+import logging
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from omegaconf import DictConfig
 from .config import PARALLEL_MODES, ConfigError
 from .launch import LaunchError, expected_world_size, under_launcher
 from .tracking import build_trackers
+
+log = logging.getLogger(__name__)
 
 
 def build_accelerator(cfg: DictConfig, run_dir: Path) -> Accelerator:
@@ -49,15 +52,14 @@ def build_accelerator(cfg: DictConfig, run_dir: Path) -> Accelerator:
         ]
     fsdp_plugin = _fsdp_plugin(p, on_cpu) if p.mode == "fsdp" else None
     deepspeed_plugin = _deepspeed_plugin(cfg) if p.mode == "deepspeed" else None
-    precision = cfg.trainer.mixed_precision
+    precision, why = resolve_precision(cfg.trainer.mixed_precision, on_cpu)
     accelerator = Accelerator(
         # Without cpu=True on a machine without GPUs, accelerate ignores the
         # launcher and every process becomes an independent rank 0. DeepSpeed is
         # the exception: accelerate skips it under cpu=True, and DeepSpeed
         # brings its own (gloo) process group on a CPU.
         cpu=on_cpu and p.mode != "deepspeed",
-        # YAML reads an unquoted `no` as false.
-        mixed_precision="no" if precision is False else precision,
+        mixed_precision=precision,
         gradient_accumulation_steps=cfg.trainer.grad_accum_steps,
         log_with=build_trackers(cfg, run_dir) or None,
         project_dir=str(run_dir),
@@ -76,6 +78,8 @@ def build_accelerator(cfg: DictConfig, run_dir: Path) -> Accelerator:
         # trainer.compile: prepare() wraps the model in torch.compile (inductor).
         dynamo_backend="inductor" if cfg.trainer.get("compile", False) else "no",
     )
+    if why and accelerator.is_main_process:  # trainer.mixed_precision=auto: say what it chose
+        log.info(f"trainer.mixed_precision=auto: {precision} ({why})")
     _cache_per_step_package_checks()
     if fsdp_plugin is not None and accelerator.distributed_type != DistributedType.FSDP:
         _use_fsdp_without_gpus(accelerator, fsdp_plugin)
@@ -100,6 +104,24 @@ def build_accelerator(cfg: DictConfig, run_dir: Path) -> Accelerator:
             "accelerate has no fp16 autocast); use 'bf16' or 'no'"
         )
     return accelerator
+
+
+def resolve_precision(requested: str | bool, on_cpu: bool) -> tuple[str, str]:
+    """accelerate's ``mixed_precision`` for ``trainer.mixed_precision``, and why
+    when it was ``auto``: bf16 on a GPU that has it (compute capability 8.0+:
+    A100, H100, L4, ...), else ``no`` (fp32; fp16 is never chosen for you, it
+    needs loss scaling). The explicit values stay as they are: ``fp16`` on a
+    CPU is refused below, ``bf16`` on a GPU without it by preflight."""
+    if requested is False:  # YAML reads an unquoted `no` as false
+        return "no", ""
+    if requested != "auto":
+        return requested, ""
+    if on_cpu:
+        return "no", "no GPU: fp32"
+    name = torch.cuda.get_device_name()
+    if torch.cuda.is_bf16_supported(including_emulation=False):
+        return "bf16", f"{name} supports it"
+    return "no", f"{name} has no bf16: fp32"
 
 
 def _cache_per_step_package_checks() -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-MIXED_PRECISION = ("no", "bf16", "fp16")
+MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 PARALLEL_MODES = ("none", "ddp", "fsdp", "deepspeed")
 # Data keys named like paths (``path``, ``train_file``, ``data_dir``, ``root`` ...)
 # must exist: a missing file is reported with its path before any work.

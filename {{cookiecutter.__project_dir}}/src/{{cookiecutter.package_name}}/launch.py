@@ -153,9 +153,11 @@ def _spawn(fn: Callable[[DictConfig, Path], Any], cfg: DictConfig, run_dir: Path
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / ".torchelastic")),
         **rdzv,
     )
+    no_gpus = p.num_processes == "auto" and not torch.cuda.device_count()
     log.info(
         f"starting {nproc} {p.mode} workers on node {p.node_rank} of {p.num_nodes} "
         f"({nproc * p.num_nodes} processes in all)"
+        + (" on the CPU: no GPU visible (parallel.cpu_processes)" if no_gpus else "")
     )
     container = OmegaConf.to_container(cfg, resolve=True)
     # The agent logs each worker exit with a traceback of its own internals;

@@ -133,7 +133,7 @@ def check_devices(cfg: DictConfig, acc: Any) -> Check:
                     "parallel.cpu_processes with num_processes=auto), or give the job more "
                     "cores (e.g. SLURM --cpus-per-task)"
                 )
-    precision = cfg.trainer.mixed_precision or "no"
+    precision = acc.mixed_precision  # what accelerate runs (trainer.mixed_precision=auto resolved)
     no_bf16 = sorted({f["name"] for f in facts if not f["bf16"]})
     if precision == "bf16" and no_bf16:
         problems.append(f"trainer.mixed_precision=bf16, but {', '.join(no_bf16)} has no bf16")
@@ -317,7 +317,7 @@ def check_speed(
         acc.unwrap_model(state.model),
         acc.device,
         acc.num_processes,
-        cfg.trainer.mixed_precision,
+        acc.mixed_precision,
         cfg.trainer.get("peak_tflops"),
     )
     rates = throughput.metrics(steps_per_sec, samples=t.samples, tokens=t.tokens)
