@@ -4,15 +4,17 @@ refused before any work. Real train.py processes."""
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from {{ cookiecutter.package_name }}.run_dir import launch_stamp
+from {{ cookiecutter.package_name }}.run_dir import RunDirError, _lock, _unlock, launch_stamp
 
 from .conftest import ENV, FAST, PROJECT_ROOT, run_train, wait_for
 
@@ -131,6 +133,25 @@ def test_a_live_run_dir_is_refused(tmp_path):
     finally:
         live.kill()
         live.wait()
+
+
+def test_the_lock_dies_with_the_run_not_with_its_forked_workers(tmp_path):
+    """A DataLoader worker is a fork of the run: after a kill -9 of the run it lives
+    on for seconds. Its inherited copy of the lock must not refuse the resume."""
+    fd = _lock(tmp_path)
+    with pytest.raises(RunDirError, match="in use by another training process"):
+        _lock(tmp_path)  # a live run holds it
+    worker = os.fork()
+    if worker == 0:  # the "worker": outlives the run's lock by far
+        time.sleep(30)
+        os._exit(0)
+    try:
+        _unlock(fd)  # the run ends (kill -9 closes its fds the same way)
+        _unlock(_lock(tmp_path))  # free at once, though the worker still runs
+        assert os.waitpid(worker, os.WNOHANG) == (0, 0)  # still running
+    finally:
+        os.kill(worker, 9)
+        os.waitpid(worker, 0)
 
 
 def test_runs_root_is_the_project_root_whatever_the_working_directory(tmp_path):

@@ -232,12 +232,28 @@ def claim(run_dir: Path, cfg: DictConfig, raw: DictConfig | None = None) -> Iter
         raise
     finally:
         if lock_fd is not None:
-            os.close(lock_fd)  # releases the flock
+            _unlock(lock_fd)
+
+
+# The lock fds this process holds. A forked child (a DataLoader worker) inherits
+# them, and an flock lasts while any copy is open: after a kill -9 of the run,
+# its orphaned workers (they notice within ~5 s) would keep the directory
+# "in use" and refuse the resume. Forked children close their copies at once.
+_HELD: set[int] = set()
+_AT_FORK_REGISTERED = False
+
+
+def _close_inherited_locks() -> None:
+    for fd in _HELD:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
 
 
 def _lock(run_dir: Path) -> int:
     """An exclusive flock on the directory itself (no file added to it),
     held until the process ends; another live launch of the same dir is refused."""
+    global _AT_FORK_REGISTERED
     fd = os.open(run_dir, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -247,7 +263,16 @@ def _lock(run_dir: Path) -> int:
             f"{run_dir} is in use by another training process right now: wait for it, "
             "or use another run_name (or hydra.run.dir)"
         ) from None
+    if not _AT_FORK_REGISTERED:  # once per process (a hook cannot be unregistered)
+        os.register_at_fork(after_in_child=_close_inherited_locks)
+        _AT_FORK_REGISTERED = True
+    _HELD.add(fd)
     return fd
+
+
+def _unlock(fd: int) -> None:
+    _HELD.discard(fd)
+    os.close(fd)  # releases the flock
 
 
 def save_resolved_config(cfg: DictConfig, run_dir: Path, raw: DictConfig | None = None) -> None:
