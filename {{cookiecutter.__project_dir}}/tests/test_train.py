@@ -222,9 +222,9 @@ def test_deepspeed_with_checkpoints_is_refused_before_any_work(train_run):
 
 @pytest.mark.slow
 @pytest.mark.ci
-def test_default_run_reaches_95_percent_in_under_a_minute(train_run):
+def test_default_run_reaches_95_percent(train_run):
+    """How long it takes is bench.py's to measure (`end_to_end`), not a test's."""
     run = train_run()  # every default, as `python train.py`
     summary = run.summary
     assert summary["metrics"]["val/acc"] >= 0.95
-    assert summary["wall_time_s"] < 60
     assert math.isfinite(summary["metrics"]["val/loss"])
