@@ -17,6 +17,10 @@ from {{ cookiecutter.package_name }}.tracking import REQUIRES
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = PROJECT_ROOT / "configs"
+# The first override of every train.py the tests start: one process unless a test
+# names its parallel mode (a later parallel=... wins). The baked default may be ddp
+# or fsdp (the scope prompt); test_smoke_run_writes_the_run_directory runs it as is.
+ONE_PROCESS = "parallel=none"
 
 # A few steps, logged and evaluated often enough to check every output
 # (tracker=csv explicitly: the project's default tracker is a bake-time choice;
@@ -81,11 +85,14 @@ def run_train(
     check: bool = True,
     timeout: int = 300,
     pause_at: str | None = None,
+    as_baked: bool = False,
 ) -> TrainRun:
     """``python train.py hydra.run.dir=RUN_DIR OVERRIDES`` from the project root;
-    with ``pause_at``, through tests/train_with_faults.py (CKPT_TEST_PAUSE_AT)."""
+    with ``pause_at``, through tests/train_with_faults.py (CKPT_TEST_PAUSE_AT).
+    One process unless OVERRIDES name a parallel mode; ``as_baked``: the bake's default."""
+    pinned = [] if as_baked else [ONE_PROCESS]
     script = TRAIN_WITH_FAULTS if pause_at else "train.py"
-    cmd = [sys.executable, script, f"hydra.run.dir={run_dir}", *overrides]
+    cmd = [sys.executable, script, f"hydra.run.dir={run_dir}", *pinned, *overrides]
     env = {**os.environ, "CKPT_TEST_PAUSE_AT": pause_at} if pause_at else None
     proc = subprocess.run(
         cmd,
@@ -107,8 +114,10 @@ def train_run(tmp_path):
     """Call as ``train_run(*overrides)``; every call gets its own run dir."""
     counter = iter(range(1000))
 
-    def _run(*overrides: str, check: bool = True) -> TrainRun:
-        return run_train(tmp_path / f"run{next(counter)}", *overrides, check=check)
+    def _run(*overrides: str, check: bool = True, as_baked: bool = False) -> TrainRun:
+        return run_train(
+            tmp_path / f"run{next(counter)}", *overrides, check=check, as_baked=as_baked
+        )
 
     return _run
 

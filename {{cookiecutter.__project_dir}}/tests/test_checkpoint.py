@@ -27,7 +27,7 @@ from {{ cookiecutter.package_name }}.checkpoint import (
 from {{ cookiecutter.package_name }}.checkpoint.__main__ import main as checkpoint_cli
 from {{ cookiecutter.package_name }}.config import ConfigError, check_config, resolve_config
 
-from .conftest import PROJECT_ROOT, TRAIN_WITH_FAULTS, run_train
+from .conftest import ONE_PROCESS, PROJECT_ROOT, TRAIN_WITH_FAULTS, run_train
 
 # 80 steps over 4 epochs of 23 batches; checkpoints every 7 steps (mid-epoch),
 # on each new best val/acc (evaluated every 10 steps) and at the end.
@@ -67,7 +67,7 @@ def start_train(run_dir: Path, *overrides: str, pause_at: str | None = None) -> 
     script = TRAIN_WITH_FAULTS if pause_at else "train.py"
     env = {"CKPT_TEST_PAUSE_AT": pause_at} if pause_at else {}
     return subprocess.Popen(
-        [sys.executable, script, f"hydra.run.dir={run_dir}", *overrides],
+        [sys.executable, script, f"hydra.run.dir={run_dir}", ONE_PROCESS, *overrides],
         cwd=PROJECT_ROOT,
         stdout=out,
         stderr=subprocess.STDOUT,

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from .conftest import ENV, FAST, PROJECT_ROOT, fingerprints, wait_for
+from .conftest import ENV, FAST, ONE_PROCESS, PROJECT_ROOT, fingerprints, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -28,7 +28,7 @@ ACCELERATE += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backe
 
 
 def command(*overrides: str, launcher: list[str] = PYTHON) -> list[str]:
-    return [*launcher, TRAIN, *overrides]
+    return [*launcher, TRAIN, ONE_PROCESS, *overrides]
 
 
 def run(cwd: Path, *overrides: str, launcher: list[str] = PYTHON) -> subprocess.CompletedProcess:

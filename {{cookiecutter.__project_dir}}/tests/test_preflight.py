@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from {{ cookiecutter.package_name }}.model import MLP, SmallCNN
 from {{ cookiecutter.package_name }}.throughput import Throughput, peak_flops, peak_for_name
 
-from .conftest import FAST, PROJECT_ROOT
+from .conftest import FAST, ONE_PROCESS, PROJECT_ROOT
 
 # FAST turns preflight off (it costs every test run time); these turn it on.
 PREFLIGHT = [*FAST, "preflight=default"]
@@ -127,7 +127,7 @@ def small_tmpfs(tmp_path):
 def test_a_disk_too_small_for_the_kept_checkpoints_fails_before_training(small_tmpfs):
     run_dir = small_tmpfs / "run"
     proc = subprocess.run(
-        [sys.executable, "train.py", f"hydra.run.dir={run_dir}", *PREFLIGHT],
+        [sys.executable, "train.py", f"hydra.run.dir={run_dir}", ONE_PROCESS, *PREFLIGHT],
         cwd=PROJECT_ROOT,
         capture_output=True,
         text=True,

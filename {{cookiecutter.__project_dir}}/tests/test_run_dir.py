@@ -16,7 +16,7 @@ import pytest
 
 from {{ cookiecutter.package_name }}.run_dir import RunDirError, _lock, _unlock, launch_stamp
 
-from .conftest import ENV, FAST, PROJECT_ROOT, run_train, wait_for
+from .conftest import ENV, FAST, ONE_PROCESS, PROJECT_ROOT, run_train, wait_for
 
 TRAIN = str(PROJECT_ROOT / "train.py")
 SHORT = [*FAST, "trainer.max_steps=20"]
@@ -33,7 +33,7 @@ def tree_digest(root: Path) -> dict[str, str]:
 
 def train(cwd: Path, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, TRAIN, *overrides],
+        [sys.executable, TRAIN, ONE_PROCESS, *overrides],
         cwd=cwd,
         env=ENV,
         stdout=subprocess.PIPE,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from .conftest import CONFIG_DIR, ENV, FAST, PROJECT_ROOT, run_train
+from .conftest import CONFIG_DIR, ENV, FAST, ONE_PROCESS, PROJECT_ROOT, run_train
 
 TRAIN = str(PROJECT_ROOT / "train.py")
 SHORT = [*FAST, "trainer.max_steps=20"]
@@ -25,7 +25,7 @@ SHORT = [*FAST, "trainer.max_steps=20"]
 def multirun(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
     """``python train.py -m OVERRIDES`` in ``cwd``; its runs land in cwd/runs/."""
     return subprocess.run(
-        [sys.executable, TRAIN, "-m", *overrides, f"runs_root={cwd / 'runs'}"],
+        [sys.executable, TRAIN, "-m", ONE_PROCESS, *overrides, f"runs_root={cwd / 'runs'}"],
         cwd=cwd,
         env=ENV,
         capture_output=True,
@@ -243,6 +243,7 @@ def test_a_killed_sweep_continues_and_its_interrupted_trial_fails(tmp_path):
             sys.executable,
             TRAIN,
             "-m",
+            ONE_PROCESS,
             *OPTUNA,
             "hydra.sweeper.n_trials=3",
             "model._target_=tests.faults.Slow",

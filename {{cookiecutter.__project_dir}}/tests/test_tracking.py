@@ -25,7 +25,7 @@ from {{ cookiecutter.package_name }}.data import load_digits
 from {{ cookiecutter.package_name }}.model import MLP
 from {{ cookiecutter.package_name }}.tracking import build_trackers, readiness
 
-from .conftest import FAST, PROJECT_ROOT, require_trackers
+from .conftest import FAST, ONE_PROCESS, PROJECT_ROOT, require_trackers
 
 ALL = "tracker=[csv,tensorboard,wandb,mlflow]"
 LOGGED = {
@@ -52,7 +52,7 @@ def env(tmp_path):
 
 def train(run_dir: Path, env: dict, *overrides: str) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [sys.executable, "train.py", f"hydra.run.dir={run_dir}", *overrides],
+        [sys.executable, "train.py", f"hydra.run.dir={run_dir}", ONE_PROCESS, *overrides],
         cwd=PROJECT_ROOT,
         env=env,
         capture_output=True,
@@ -232,7 +232,7 @@ def test_stopped_run_resumes_the_same_wandb_and_mlflow_runs(tmp_path, env):
     args += ["trainer.log_every_n_steps=5", "trainer.eval_every_n_steps=10"]
     args += ["checkpoint.every_n_steps=10", "tracker.wandb.watch.log=null"]
     first = subprocess.Popen(
-        [sys.executable, "train.py", *args],
+        [sys.executable, "train.py", ONE_PROCESS, *args],
         cwd=PROJECT_ROOT,
         env=env,
         stdout=subprocess.DEVNULL,

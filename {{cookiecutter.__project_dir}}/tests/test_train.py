@@ -16,12 +16,12 @@ from safetensors.torch import load_file
 from {{ cookiecutter.package_name }}.config import instantiate, resolve_config
 from {{ cookiecutter.package_name }}.launch import processes_per_node
 
-from .conftest import FAST, PROJECT_ROOT, run_train
+from .conftest import FAST, ONE_PROCESS, PROJECT_ROOT, run_train
 
 
 def test_smoke_run_writes_the_run_directory(train_run, compose_cfg):
     """The project's default as baked (parallel=ddp or fsdp: 2 CPU processes here)."""
-    run = train_run(*FAST)
+    run = train_run(*FAST, as_baked=True)
     d = run.run_dir
     cfg = compose_cfg(*FAST)
     world = processes_per_node(cfg.parallel)
@@ -113,6 +113,7 @@ def test_same_seed_is_bit_identical_10_times_under_load(tmp_path, num_workers):
         [
             sys.executable,
             "train.py",
+            ONE_PROCESS,
             f"hydra.run.dir={tmp_path / 'load'}",
             "preflight=off",
             "tracker=none",
@@ -170,7 +171,7 @@ def test_train_returns_the_best_monitored_metric(compose_cfg, tmp_path):
     spec = importlib.util.spec_from_file_location("train_script", PROJECT_ROOT / "train.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    cfg = compose_cfg(*FAST, "trainer.monitor=val/loss", "trainer.monitor_mode=min")
+    cfg = compose_cfg(ONE_PROCESS, *FAST, "trainer.monitor=val/loss", "trainer.monitor_mode=min")
     value = module.train(resolve_config(cfg), tmp_path)
     summary = json.loads((tmp_path / "summary.json").read_text())
     rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
