@@ -24,10 +24,6 @@ from omegaconf import DictConfig, OmegaConf
 from {{ cookiecutter.package_name }} import task
 from {{ cookiecutter.package_name }}.accel import build_accelerator, weights_fingerprint
 from {{ cookiecutter.package_name }}.checkpoint import CheckpointError, CheckpointManager
-from {{ cookiecutter.package_name }}.debug import Debug
-from {{ cookiecutter.package_name }}.early_stopping import EarlyStopping
-from {{ cookiecutter.package_name }}.ema import WeightAverage, metric_names
-from {{ cookiecutter.package_name }}.finetune import init_from
 from {{ cookiecutter.package_name }}.config import (
     ConfigError,
     check_config,
@@ -36,6 +32,10 @@ from {{ cookiecutter.package_name }}.config import (
     register_resolvers,
     resolve_config,
 )
+from {{ cookiecutter.package_name }}.debug import Debug
+from {{ cookiecutter.package_name }}.early_stopping import EarlyStopping
+from {{ cookiecutter.package_name }}.ema import WeightAverage, metric_names
+from {{ cookiecutter.package_name }}.finetune import init_from
 from {{ cookiecutter.package_name }}.launch import LaunchError, run, spans_nodes
 from {{ cookiecutter.package_name }}.logs import setup_rank_logging
 from {{ cookiecutter.package_name }}.metrics import MetricBook

@@ -55,7 +55,9 @@ class Debug:
         rank: int = 0,
     ) -> None:
         for key, value in [("train_batches", train_batches), ("val_batches", val_batches)]:
-            ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+            ok = value is None or (
+                isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            )
             require(f"debug.{key}", value, ok, "an integer >= 1 or null (all)")
         self.train_batches, self.val_batches = train_batches, val_batches
         self.val_on_train, self.detect_anomaly = bool(val_on_train), bool(detect_anomaly)
@@ -64,7 +66,12 @@ class Debug:
             for key in ("wait", "warmup", "active"):
                 value = self.profile.get(key)
                 ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
-                require(f"debug.profile.{key}", value, ok and (key != "active" or value >= 1), "an integer >= 0 (active: >= 1)")
+                require(
+                    f"debug.profile.{key}",
+                    value,
+                    ok and (key != "active" or value >= 1),
+                    "an integer >= 0 (active: >= 1)",
+                )
         self.dir = Path(run_dir) / "profile"
         self.rank = rank
         self._profiler: Any = None
@@ -131,7 +138,9 @@ class Debug:
         trace = self.dir / f"trace_rank{self.rank}.json"
         prof.export_chrome_trace(str(trace))
         sort_by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-        table = prof.key_averages().table(sort_by=sort_by, row_limit=int(self.profile.get("row_limit", 25)))
+        table = prof.key_averages().table(
+            sort_by=sort_by, row_limit=int(self.profile.get("row_limit", 25))
+        )
         (self.dir / f"top_ops_rank{self.rank}.txt").write_text(table + "\n")
         log.info(f"debug: profiler trace {trace}, top ops {self.dir}/top_ops_rank{self.rank}.txt")
 

@@ -31,7 +31,9 @@ class EarlyStopping:
             "an integer >= 1 (evaluations without improvement) or null (off)",
         )
         ok = isinstance(min_delta, int | float) and not isinstance(min_delta, bool)
-        require("trainer.early_stopping.min_delta", min_delta, ok and min_delta >= 0, "a number >= 0")
+        require(
+            "trainer.early_stopping.min_delta", min_delta, ok and min_delta >= 0, "a number >= 0"
+        )
         self.patience, self.min_delta = patience, float(min_delta)
         self.monitor, self.mode = monitor, mode
         self.best: float | None = None

@@ -39,7 +39,10 @@ def init_from(checkpoint: Any, *, model: torch.nn.Module) -> dict[str, Any]:
     source = checkpoint.get("init_from")
     if not source:
         return {}
-    pick, weights = checkpoint.get("init_from_pick", "best"), checkpoint.get("init_from_weights", "raw")
+    pick, weights = (
+        checkpoint.get("init_from_pick", "best"),
+        checkpoint.get("init_from_weights", "raw"),
+    )
     ckpt = resolve_checkpoint(source, pick)
     theirs, _ = read_weights(ckpt, weights)
     own = model.state_dict()
@@ -53,13 +56,17 @@ def init_from(checkpoint: Any, *, model: torch.nn.Module) -> dict[str, Any]:
             "to load only the keys that match"
         )
     skip = set(report["missing"]) | {m["key"] for m in report["mismatched"]}
-    model.load_state_dict({k: v for k, v in theirs.items() if k in own and k not in skip}, strict=False)
+    model.load_state_dict(
+        {k: v for k, v in theirs.items() if k in own and k not in skip}, strict=False
+    )
     report["loaded"] = len(own) - len(skip)
     log.info(
         f"init_from {ckpt} ({weights} weights): {report['loaded']} of {len(own)} tensors loaded"
         + (
             f"; missing {report['missing']}, unexpected {report['unexpected']}, mismatched "
-            + ", ".join(f"{m['key']} {m['checkpoint']} -> {m['model']}" for m in report["mismatched"])
+            + ", ".join(
+                f"{m['key']} {m['checkpoint']} -> {m['model']}" for m in report["mismatched"]
+            )
             if differs
             else ""
         )

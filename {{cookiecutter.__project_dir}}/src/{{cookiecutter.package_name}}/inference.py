@@ -103,14 +103,14 @@ def load_checkpoint(
     try:
         model.load_state_dict(state)
     except RuntimeError as err:
-        raise ConfigError(f"{ckpt}: the weights do not fit the model {node._target_}: {err}")
+        raise ConfigError(
+            f"{ckpt}: the weights do not fit the model {node._target_}: {err}"
+        ) from err
     step = int(fmt.read_manifest(ckpt)["step"])
     return Loaded(model.eval(), ckpt, step, weights, config)
 
 
-def load_model(
-    path: str | Path, pick: str = "best", weights: str = "raw"
-) -> torch.nn.Module:
+def load_model(path: str | Path, pick: str = "best", weights: str = "raw") -> torch.nn.Module:
     """The eager ``nn.Module`` of a trained run, weights loaded, in eval mode.
 
     ``path``: a run dir (``pick``: its best or latest checkpoint) or one
