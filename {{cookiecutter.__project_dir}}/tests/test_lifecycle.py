@@ -13,7 +13,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from {{ cookiecutter.package_name }}.config import ConfigError
+from {{ cookiecutter.package_name }}.config import ConfigError, check_config, resolve_config
 from {{ cookiecutter.package_name }}.early_stopping import EarlyStopping
 from {{ cookiecutter.package_name }}.finetune import init_from
 from {{ cookiecutter.package_name }}.inference import load_model, resolve_checkpoint
@@ -200,6 +200,30 @@ def test_early_stopping_rule():
     assert again.stopped and again.bad_evaluations == 2
     with pytest.raises(ConfigError, match=r"trainer\.early_stopping\.patience=0 is not allowed"):
         EarlyStopping(patience=0, monitor="val/loss", mode="min")
+
+
+def test_bad_lifecycle_keys_fail_before_any_work(compose_cfg, tmp_path):
+    """Each bad value is named with what is allowed, all at once."""
+    cfg = resolve_config(
+        compose_cfg(
+            "parallel=fsdp",
+            "trainer.ema.enabled=true",
+            "trainer.ema.decay=1.5",
+            "trainer.early_stopping.patience=0",
+            f"checkpoint.init_from={tmp_path / 'nowhere'}",
+            "checkpoint.init_from_pick=worst",
+        )
+    )
+    with pytest.raises(ConfigError) as err:
+        check_config(cfg)
+    for message in (
+        "trainer.ema.decay=1.5 is not allowed: expected a number between 0 and 1",
+        "trainer.early_stopping.patience=0 is not allowed: expected an integer >= 1 or null",
+        f"checkpoint.init_from='{tmp_path / 'nowhere'}' is not allowed: expected null or an existing",
+        "checkpoint.init_from_pick='worst' is not allowed: expected best or latest",
+        "trainer.ema.enabled=true is not supported with parallel=fsdp (sharded parameters)",
+    ):
+        assert message in str(err.value)
 
 
 # Evaluated every 5 steps; no evaluation improves val/acc by more than 1.0, so the

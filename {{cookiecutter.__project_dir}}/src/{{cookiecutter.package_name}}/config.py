@@ -276,6 +276,13 @@ def check_config(cfg: DictConfig) -> None:
             "optimizer state cannot be loaded safely (weights_only). Use checkpoint=none "
             "with deepspeed, or parallel=fsdp for sharded training with checkpoints"
         )
+    ema = (cfg.trainer.get("ema") or {}).get("enabled", False)
+    if ema is True and cfg.parallel.mode in ("fsdp", "deepspeed"):
+        # Their parameters are sharded: an average per rank would be of one shard.
+        problems.append(
+            f"trainer.ema.enabled=true is not supported with parallel={cfg.parallel.mode} "
+            "(sharded parameters): use parallel=ddp or none with EMA, or trainer.ema.enabled=false"
+        )
     if problems:
         raise ConfigError("Invalid configuration:\n  " + "\n  ".join(problems))
 

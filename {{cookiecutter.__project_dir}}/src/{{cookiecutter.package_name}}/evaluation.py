@@ -8,6 +8,7 @@ sampler's padding). README: "Evaluate, predict, load a model".
 from __future__ import annotations
 
 import csv
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import DataLoader, RandomSampler
 
 from . import task
 from .accel import build_accelerator
@@ -132,9 +134,17 @@ def _write_predictions(
     ``gather_for_metrics`` returns the ranks' batches in dataset order and drops
     the samples the distributed sampler repeated to even out the last batch."""
     split = cfg.get("split", "val")
+    loader = getattr(loaders, split, None)
+    if isinstance(getattr(loader, "sampler", None), RandomSampler):  # e.g. split=train
+        # the same samples in dataset order (what the rows' index means)
+        loader = DataLoader(
+            loader.dataset,
+            batch_size=loader.batch_size,
+            collate_fn=loader.collate_fn,
+            num_workers=loader.num_workers,
+        )
+        loaders = dataclasses.replace(loaders, **{split: loader})
     loader = _split(loaders, split, accelerator)
-    if getattr(loader, "sampler", None) is not None and "Random" in type(loader.sampler).__name__:
-        log.warning(f"the {split!r} loader shuffles: rows follow its order, not the dataset's")
     loaded.model.eval()  # task.evaluate leaves the model in train mode
     predictions, targets = [], []
     for batch in loader:
