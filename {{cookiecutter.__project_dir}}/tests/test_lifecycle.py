@@ -270,6 +270,22 @@ def test_early_stopping_and_ema_resume_after_kill_9(tmp_path):
         assert ours.read_bytes() == theirs.read_bytes(), name
 
 
+@pytest.mark.slow  # a 2-process DDP training run (~20 s) beyond CI's budget
+def test_early_stopping_and_ema_under_ddp(tmp_path):
+    run = run_train(tmp_path / "ddp", *STOPS_EARLY, "parallel=ddp")
+    assert run.summary["world_size"] == 2 and run.summary["step"] == 15
+    assert run.summary["early_stopping"]["step"] == 15
+    logged = recorded(run.run_dir, "val_ema/acc")
+    assert sorted(logged) == [5, 10, 15]
+    # The saved average is what was evaluated: its accuracy, recomputed here, is the logged one.
+    model = load_model(run.run_dir, pick="latest", weights="ema")
+    config = json.loads((run.run_dir / "config.json").read_text())
+    x, y = instantiate(OmegaConf.create(config["data"])).val.dataset.tensors
+    with torch.no_grad():
+        accuracy = (model(x).argmax(dim=-1) == y).float().mean().item()
+    assert accuracy == pytest.approx(logged[15], abs=1e-6)
+
+
 def test_debug_presets(tmp_path, compose_cfg):
     assert "/debug/" in compose_cfg("debug=fast", hydra_config=True).hydra.run.dir  # throwaway
     fast = run_train(tmp_path / "fast", "debug=fast")
