@@ -5,7 +5,7 @@ test split when the data has one) in ``eval.json``. ``python eval.py --help``.
     python eval.py ckpt=runs/exp1 ckpt_pick=latest weights=ema
     python eval.py ckpt=runs/exp1/checkpoints/step_0000500 parallel=ddp data.val_batch_size=64
 
-The model, data, seed and trainer come from the run's own config; the command
+The model, data, seed and precision come from the run's own config; the command
 line's overrides apply on top. README: "Evaluate, predict, load a model".
 """
 

@@ -22,7 +22,6 @@ from . import task
 from .accel import build_accelerator
 from .config import ConfigError, check_config, config_differences, instantiate, resolve_config
 from .inference import (
-    FROM_RUN,
     PICKS,
     WEIGHTS,
     check_choice,
@@ -30,6 +29,7 @@ from .inference import (
     read_weights,
     resolve_checkpoint,
     run_config,
+    run_values,
 )
 from .logs import setup_rank_logging
 from .run_dir import hydra_run_dir, write_json_atomic
@@ -98,9 +98,7 @@ def evaluate(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         "metrics": metrics,
         # what differs from the training run in the keys that decide the results
         "config_diff": config_differences(
-            {k: loaded.config.get(k) for k in FROM_RUN},
-            {k: effective.get(k) for k in FROM_RUN},
-            allowed=(),
+            run_values(loaded.config), run_values(effective), allowed=()
         ),
     }
     if cfg.get("predict", False):

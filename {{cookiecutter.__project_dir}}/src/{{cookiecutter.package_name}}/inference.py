@@ -1,7 +1,7 @@
 """A trained run's model outside training: which checkpoint a path names, its
 weights loaded safely (hash-verified, no unpickling), the model rebuilt from the
 run's own config (``load_model``), and the config eval.py/predict.py run with
-(the run's model, data and trainer, plus the command line's overrides).
+(the run's model, data and precision, plus the command line's overrides).
 README: "Evaluate, predict, load a model".
 
     from {{ cookiecutter.package_name }}.inference import load_model
@@ -28,7 +28,7 @@ WEIGHTS = ("raw", "ema")
 EMA_FILE = "ema.safetensors"  # the ``ema`` stateful extra (ema.py), saved as tensors
 # What eval.py/predict.py take from the trained run's config (so the model and
 # data match what was trained); everything else comes from their own config.
-FROM_RUN = ("model", "data", "seed", "deterministic", "trainer")
+FROM_RUN = ("model", "data", "seed", "deterministic", "trainer.mixed_precision", "trainer.compile")
 
 
 @dataclass
@@ -120,19 +120,27 @@ def load_model(path: str | Path, pick: str = "best", weights: str = "raw") -> to
 
 def run_config(saved: dict, composed: DictConfig, overrides: list[str]) -> DictConfig:
     """The config eval.py/predict.py run with: ``composed`` (their own, resolved)
-    with FROM_RUN taken from the trained run's ``saved`` config, then the command
+    with FROM_RUN taken (replaced whole) from the trained run's ``saved`` config, then the command
     line's ``overrides`` of those keys applied again (``data.val_batch_size=64``,
     ``data=tokens``): Hydra composed and checked them in ``composed``."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    cfg = OmegaConf.to_container(composed, resolve=True)
+    cfg = OmegaConf.create(OmegaConf.to_container(composed, resolve=True))
+    run = OmegaConf.create(saved)
     for key in FROM_RUN:
-        if key in saved:
-            cfg[key] = saved[key]
-    cfg = OmegaConf.create(cfg)
+        if OmegaConf.select(run, key, default="<absent>") != "<absent>":
+            OmegaConf.update(cfg, key, OmegaConf.select(run, key), merge=False, force_add=True)
     for override in OverridesParser.create().parse_overrides(overrides):
         key = override.key_or_group
-        if key.split(".")[0] in FROM_RUN:
-            OmegaConf.update(cfg, key, OmegaConf.select(composed, key), force_add=True)
+        if any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in FROM_RUN):
+            value = OmegaConf.select(composed, key)
+            OmegaConf.update(cfg, key, value, merge=False, force_add=True)
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+def run_values(config: Any) -> dict[str, Any]:
+    """The FROM_RUN values of a config (for eval.json's differences)."""
+    node = OmegaConf.create(config)
+    values = {key: OmegaConf.select(node, key, default=None) for key in FROM_RUN}
+    return OmegaConf.to_container(OmegaConf.create(values))
