@@ -44,6 +44,7 @@ def prepare(raw: DictConfig) -> tuple[DictConfig, Path]:
     composed = resolve_config(raw)
     check_choice("ckpt_pick", composed.ckpt_pick, PICKS)
     check_choice("weights", composed.weights, WEIGHTS)
+    check_choice("split", composed.split, SPLITS)
     ckpt = resolve_checkpoint(composed.ckpt, composed.ckpt_pick)
     _, saved = read_weights(ckpt, composed.weights)  # verified: refused before any work
     cfg = run_config(saved, composed, list(HydraConfig.get().overrides.task))
