@@ -418,7 +418,9 @@ class CheckpointManager:
         # Stateful extras: JSON-able dicts go into trainer_state.json, dicts of
         # tensors (e.g. EMA weights) into <name>.safetensors.
         extras = {n: obj.state_dict() for n, obj in self.state.stateful.items()}
-        tensor_extras = {n: s for n, s in extras.items() if _all_tensors(s)}
+        tensor_extras = {
+            n: s for n, s in extras.items() if s and all(torch.is_tensor(v) for v in s.values())
+        }
         trainer_state = {
             "step": step,
             "epoch": epoch,
@@ -446,7 +448,3 @@ class CheckpointManager:
     def _write(self, job: async_save.SaveJob, failed: OSError | None, sync: bool) -> None:
         keep_last = int(self.ck.get("keep_last", 3))
         commit.write_and_commit(job, self.accelerator, failed, sync, self.timeout_s, keep_last)
-
-
-def _all_tensors(state: Any) -> bool:
-    return bool(state) and all(isinstance(v, torch.Tensor) for v in state.values())
