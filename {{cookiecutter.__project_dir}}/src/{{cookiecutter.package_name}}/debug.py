@@ -77,7 +77,10 @@ class Debug:
         self._profiler: Any = None
 
     def loaders(self, loaders: Any) -> Any:
-        """The data module's loaders, cut to the configured batches."""
+        """The data module's loaders (a dataclass such as data.DataLoaders), cut
+        to the configured batches; untouched without those keys."""
+        if not (self.train_batches or self.val_batches or self.val_on_train):
+            return loaders
         train, val = loaders.train, loaders.val
         if self.train_batches:
             train = first_batches(train, self.train_batches)

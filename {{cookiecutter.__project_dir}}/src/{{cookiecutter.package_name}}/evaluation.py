@@ -134,7 +134,8 @@ def _write_predictions(
     the samples the distributed sampler repeated to even out the last batch."""
     split = cfg.get("split", "val")
     loader = getattr(loaders, split, None)
-    if isinstance(getattr(loader, "sampler", None), RandomSampler):  # e.g. split=train
+    shuffles = isinstance(getattr(loader, "sampler", None), RandomSampler)  # e.g. split=train
+    if shuffles and dataclasses.is_dataclass(loaders):
         # the same samples in dataset order (what the rows' index means)
         loader = DataLoader(
             loader.dataset,
