@@ -100,6 +100,12 @@ def test_eval_reproduces_the_recorded_metrics(trained, tmp_path):
         assert logged != recorded(trained.run_dir, f"val/{name}")[30]  # EMA differs from raw
     assert report["config_diff"] == ["data.val_batch_size: 512 -> 64"]
 
+    # Bad input: exit 2 naming the value and what is allowed, before any work; no dir left.
+    proc = run_script("eval.py", tmp_path / "bad", "ckpt=no/such/run", check=False)
+    assert proc.returncode == 2
+    assert "ckpt='no/such/run' is not allowed: expected a run dir" in proc.stdout + proc.stderr
+    assert not (tmp_path / "bad").exists()
+
 
 def test_help_lists_the_keys_that_matter():
     """What ``python eval.py --help`` / ``predict.py --help`` print (Hydra's help

@@ -7,6 +7,7 @@ sampler's padding). README: "Evaluate, predict, load a model".
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import logging
@@ -20,7 +21,15 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from . import task
 from .accel import build_accelerator
-from .config import ConfigError, check_config, config_differences, instantiate, resolve_config
+from .checkpoint import CheckpointError
+from .config import (
+    ConfigError,
+    check_config,
+    config_differences,
+    instantiate,
+    require,
+    resolve_config,
+)
 from .inference import (
     PICKS,
     WEIGHTS,
@@ -40,17 +49,25 @@ SPLITS = ("val", "test", "train")  # loader attributes of the data module's resu
 
 def prepare(raw: DictConfig) -> tuple[DictConfig, Path]:
     """The config to run with (the checkpoint's run config + overrides), checked
-    before any work, and the output dir. eval.py and predict.py call it first."""
-    composed = resolve_config(raw)
-    check_choice("ckpt_pick", composed.ckpt_pick, PICKS)
-    check_choice("weights", composed.weights, WEIGHTS)
-    check_choice("split", composed.split, SPLITS)
-    ckpt = resolve_checkpoint(composed.ckpt, composed.ckpt_pick)
-    _, saved = read_weights(ckpt, composed.weights)  # verified: refused before any work
-    cfg = run_config(saved, composed, list(HydraConfig.get().overrides.task))
-    cfg.ckpt, cfg.ckpt_pick = str(ckpt), "best"  # every worker loads exactly this one
-    check_config(cfg)
+    before any work, and the output dir. eval.py and predict.py call it first.
+    On bad input the (empty) output dir Hydra made is removed again."""
     out_dir = hydra_run_dir()
+    try:
+        composed = resolve_config(raw)
+        check_choice("ckpt_pick", composed.ckpt_pick, PICKS)
+        check_choice("weights", composed.weights, WEIGHTS)
+        check_choice("split", composed.split, SPLITS)
+        found = Path(composed.ckpt).exists()
+        require("ckpt", composed.ckpt, found, "a run dir, its checkpoints/ or a step_* dir")
+        ckpt = resolve_checkpoint(composed.ckpt, composed.ckpt_pick)
+        _, saved = read_weights(ckpt, composed.weights)  # verified: refused before any work
+        cfg = run_config(saved, composed, list(HydraConfig.get().overrides.task))
+        cfg.ckpt, cfg.ckpt_pick = str(ckpt), "best"  # every worker loads exactly this one
+        check_config(cfg)
+    except (ConfigError, CheckpointError):
+        with contextlib.suppress(OSError):
+            out_dir.rmdir()  # only if empty: nothing else is ever removed
+        raise
     out_dir.mkdir(parents=True, exist_ok=True)
     return cfg, out_dir
 
