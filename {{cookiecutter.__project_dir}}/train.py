@@ -32,6 +32,10 @@ from {{ cookiecutter.package_name }}.config import (
     register_resolvers,
     resolve_config,
 )
+from {{ cookiecutter.package_name }}.debug import Debug
+from {{ cookiecutter.package_name }}.early_stopping import EarlyStopping
+from {{ cookiecutter.package_name }}.ema import WeightAverage, metric_names
+from {{ cookiecutter.package_name }}.finetune import init_from
 from {{ cookiecutter.package_name }}.launch import LaunchError, run, spans_nodes
 from {{ cookiecutter.package_name }}.logs import setup_rank_logging
 from {{ cookiecutter.package_name }}.metrics import MetricBook
@@ -70,11 +74,15 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     setup_rank_logging(run_dir)
     seed_everything(cfg.seed, cfg.deterministic)
     log.info(f"run dir: {run_dir} | {torch.get_num_threads()} CPU threads per process")
+    # debug=fast|overfit|anomaly|profile: fewer batches, anomaly mode, profiler (none: off)
+    debug = Debug(**cfg.debug, run_dir=run_dir, rank=accelerator.process_index)
 
     # --- data, model, optimizer, schedule (they check their own arguments) -----------
-    loaders = instantiate(cfg.data, what="data")
+    loaders = debug.loaders(instantiate(cfg.data, what="data"))
     with same_on_every_rank(cfg.seed):
         model = instantiate(cfg.model, what="model")
+    # checkpoint.init_from: a new run starting from another run's weights (fine-tuning)
+    fine_tuned = init_from(cfg.checkpoint, model=model)
     optimizer = instantiate(cfg.optimizer, what="optimizer")(model.parameters())
     # samples/s, tokens/s and MFU for the logs (before prepare() wraps the model)
     throughput = Throughput(
@@ -92,6 +100,11 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     max_epochs = math.ceil(total_steps / steps_per_epoch)
     scheduler = accelerator.prepare(
         instantiate(cfg.scheduler, what="scheduler")(optimizer, total_steps=total_steps)
+    )
+    # trainer.ema: a moving average of the weights (val_ema/*); early stopping on monitor
+    ema = WeightAverage(**cfg.trainer.ema, model=model, accelerator=accelerator)
+    stopper = EarlyStopping(
+        **cfg.trainer.early_stopping, monitor=cfg.trainer.monitor, mode=cfg.trainer.monitor_mode
     )
     accelerator.init_trackers(cfg.project, config=flatten_config(OmegaConf.to_container(cfg)))
     watch_model(accelerator, model)  # W&B gradient/parameter histograms (tracker.wandb.watch)
@@ -111,7 +124,8 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
         scheduler=scheduler,
         train_loader=train_loader,
         val_loader=val_loader,
-        stateful={"metrics": book, "clock": clock},  # saved in trainer_state.json
+        # saved in checkpoints: trainer_state.json (tensors: <name>.safetensors)
+        stateful={"metrics": book, "clock": clock, "early_stopping": stopper, **ema.stateful},
     )
     # SIGTERM/SIGUSR1/SIGUSR2/Ctrl-C: save at the next step boundary, then exit (checkpoints on)
     ck = cfg.checkpoint
@@ -159,9 +173,10 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     grad_norm = torch.zeros(())
     stop = False  # a stop signal reached some rank (signals.poll_stop, once per step)
     clock.start()
+    debug.start()
     model.train()
     for epoch in range(start_at.epoch, max_epochs):
-        if step == total_steps or stop:
+        if step == total_steps or stop or stopper.stopped:
             break
         train_loader.set_epoch(epoch)
         done = start_at.batch if epoch == start_at.epoch else 0  # batches a resumed run saw
@@ -176,8 +191,10 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
             if not accelerator.sync_gradients:
                 continue  # still accumulating micro-batches
             scheduler.step()
+            ema.update(model)
             step += 1
             progress.advance()
+            debug.step()
 
             if step % log_every == 0:
                 rate = progress.window_rate(step)
@@ -204,9 +221,11 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
 
             if step % eval_every == 0 or step == total_steps:
                 metrics = task.evaluate(model=model, loader=val_loader, accelerator=accelerator)
+                metrics |= ema.evaluate(loader=val_loader, accelerator=accelerator)
                 book.update(metrics, step, require_monitor=True)
                 accelerator.log(metrics, step=step)
                 progress.report(step, metrics)
+                stopper.observe(metrics, step)  # trainer.early_stopping: patience runs out?
 
             stop = signals.poll_stop(step)  # every rank, once per step: a collective
             # every N steps/epochs, a new best, after a stop signal
@@ -214,8 +233,9 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
                 step, epoch, batch, metrics=book.last, fresh=book.fresh(step), stop=stop
             )
             trial.report_and_check(step, book)  # Optuna pruning: raises TrialPruned (saved first)
-            if step == total_steps or stop:
+            if step == total_steps or stop or stopper.stopped:
                 break
+    debug.finish()
     progress.close()
     guard.check(step)
     ckpt.finish(metrics=book.last, stop=signals.stopped)  # the last checkpoint
@@ -233,6 +253,8 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
         "best": book.best(),
         "resumed_from": ckpt.resumed_from,  # null for a fresh start
         "skipped_nan_steps": guard.skipped,
+        **fine_tuned,  # checkpoint.init_from: the source and the keys that did not fit
+        **stopper.summary(),  # trainer.early_stopping: whether, when and why it stopped
     }
     write_summary(run_dir, summary)
     plain = accelerator.unwrap_model(model, keep_torch_compile=False)  # no DDP/compile wrapper
@@ -254,7 +276,7 @@ def launch(raw: DictConfig) -> float | None:
     """Check the config, claim the run dir, train (here or in spawned workers)."""
     cfg = resolve_config(raw)  # plain and resolved: no ${...}, no Hydra state needed
     check_config(cfg)
-    monitored = (*TRAIN_METRICS, *task.METRICS)
+    monitored = (*TRAIN_METRICS, *task.METRICS, *metric_names(cfg.trainer.ema))
     if cfg.trainer.monitor not in monitored and not cfg.trainer.monitor.startswith("perf/"):
         raise ConfigError(
             f"trainer.monitor={cfg.trainer.monitor!r} is not a logged metric; available: "

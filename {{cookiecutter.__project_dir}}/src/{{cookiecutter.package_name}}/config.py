@@ -204,6 +204,18 @@ RULES: list[tuple[str, Callable[[Any], bool], str]] = [
         _resume,
         "auto, never, or an existing directory (a run dir, its checkpoints/, or one checkpoint)",
     ),
+    (
+        "checkpoint.init_from",
+        lambda v: v is None or (_resume(v) and v not in ("auto", "never")),
+        "null or an existing directory (a run dir, its checkpoints/, or one checkpoint)",
+    ),
+    ("checkpoint.init_from_pick", lambda v: v in ("best", "latest"), "best or latest"),
+    ("checkpoint.init_from_weights", lambda v: v in ("raw", "ema"), "raw or ema"),
+    ("checkpoint.init_from_strict", _bool, "true or false"),
+    ("trainer.ema.enabled", _bool, "true or false"),
+    ("trainer.ema.decay", _fraction, "a number between 0 and 1 (exclusive)"),
+    ("trainer.early_stopping.patience", _optional_positive_int, "an integer >= 1 or null (off)"),
+    ("trainer.early_stopping.min_delta", _non_negative_number, "a number >= 0"),
     ("preflight.enabled", _bool, "true or false"),
     ("preflight.only", _bool, "true or false"),
     ("preflight.warmup_steps", _non_negative_int, "an integer >= 0"),
@@ -264,6 +276,13 @@ def check_config(cfg: DictConfig) -> None:
             "optimizer state cannot be loaded safely (weights_only). Use checkpoint=none "
             "with deepspeed, or parallel=fsdp for sharded training with checkpoints"
         )
+    ema = (cfg.trainer.get("ema") or {}).get("enabled", False)
+    if ema is True and cfg.parallel.mode in ("fsdp", "deepspeed"):
+        # Their parameters are sharded: an average per rank would be of one shard.
+        problems.append(
+            f"trainer.ema.enabled=true is not supported with parallel={cfg.parallel.mode} "
+            "(sharded parameters): use parallel=ddp or none with EMA, or trainer.ema.enabled=false"
+        )
     if problems:
         raise ConfigError("Invalid configuration:\n  " + "\n  ".join(problems))
 
@@ -287,6 +306,7 @@ ALLOWED_CONFIG_CHANGES = (
     "trainer.log_every_n_steps",
     "trainer.eval_every_n_steps",
     "trainer.on_nan",
+    "trainer.early_stopping",
     "trainer.compile",
     "trainer.peak_tflops",
     "tracker",

@@ -1,4 +1,5 @@
-"""THE task: what a batch is, the loss of one, and the evaluation with its metrics.
+"""THE task: what a batch is, the loss of one, the evaluation with its metrics,
+and what a prediction is.
 
 The training loop, preflight, throughput, tracking and bench.py ask this module;
 for a new task edit it (with ``model.py``/``data.py``) and nothing else. The
@@ -39,6 +40,12 @@ def cross_entropy(logits: torch.Tensor, y: torch.Tensor, **kwargs: Any) -> torch
 def loss(*, model: torch.nn.Module, batch: Any) -> torch.Tensor:
     """The training objective of one micro-batch of the train loader."""
     return cross_entropy(model(inputs(batch=batch)), targets(batch=batch))
+
+
+def predict(*, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """What predict.py writes per sample: the most likely class (per position
+    for token targets)."""
+    return model(inputs(batch=batch)).argmax(dim=-1)
 
 
 @torch.no_grad()

@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
+from safetensors.torch import save as save_safetensors
 
 from ..config import allowed_config_changes, config_differences
 from ..state import Position, TrainState, rng_state, set_rng_state
@@ -223,6 +225,8 @@ class CheckpointManager:
             for name, obj in self.state.stateful.items():
                 if name in trainer["stateful"]:
                     obj.load_state_dict(trainer["stateful"][name])
+                elif f"{name}.safetensors" in loaded:  # an extra whose state is tensors
+                    obj.load_state_dict(loaded[f"{name}.safetensors"])
             if self.guard is not None and "loss_guard" in trainer:
                 self.guard.load_state_dict(trainer["loss_guard"])
             set_rng_state(loaded[rng_name])  # last: nothing after this draws numbers
@@ -411,13 +415,19 @@ class CheckpointManager:
     def _small_files(
         self, step: int, epoch: int, batch: int, best: dict[str, Any] | None
     ) -> dict[str, bytes | memoryview]:
+        # Stateful extras: JSON-able dicts go into trainer_state.json, dicts of
+        # tensors (e.g. EMA weights) into <name>.safetensors.
+        extras = {n: obj.state_dict() for n, obj in self.state.stateful.items()}
+        tensor_extras = {
+            n: s for n, s in extras.items() if s and all(torch.is_tensor(v) for v in s.values())
+        }
         trainer_state = {
             "step": step,
             "epoch": epoch,
             "batch": batch,
             "batches_per_epoch": self.batches_per_epoch,
             "best_checkpoint": best,
-            "stateful": {n: obj.state_dict() for n, obj in self.state.stateful.items()},
+            "stateful": {n: s for n, s in extras.items() if n not in tensor_extras},
             # W&B and MLflow run ids (tracking.py): a resume continues those runs.
             "tracker_run_ids": {
                 t.name: t.run_id for t in self.accelerator.trackers if getattr(t, "run_id", None)
@@ -426,6 +436,8 @@ class CheckpointManager:
         if self.guard is not None:
             trainer_state["loss_guard"] = self.guard.state_dict()
         blobs = {"scheduler.pt": fmt.torch_bytes(self.state.scheduler.state_dict())}
+        for name, tensors in tensor_extras.items():
+            blobs[f"{name}.safetensors"] = save_safetensors(fmt.unshared(tensors))
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None:
             blobs["scaler.pt"] = fmt.torch_bytes(scaler.state_dict())

@@ -1,0 +1,161 @@
+"""What the debug presets switch on (``debug=fast|overfit|anomaly|profile``,
+configs/debug/; ``debug=none``: nothing): the first N batches of a split (the same
+ones every epoch for ``overfit``, and validation on them), autograd anomaly
+detection, and the torch profiler over a window of steps after warm-up, writing
+a Chrome/TensorBoard trace and a table of the top ops into ``<run dir>/profile/``
+(on CUDA also a memory snapshot when memory runs out). README: "Debug presets".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, RandomSampler, Subset
+
+from .config import ConfigError, require
+
+log = logging.getLogger(__name__)
+
+
+def first_batches(loader: DataLoader, batches: int) -> DataLoader:
+    """A loader like ``loader`` over its dataset's first ``batches`` batches."""
+    if loader.batch_size is None:
+        raise ConfigError("debug.*_batches needs a loader with a batch_size (not a batch_sampler)")
+    count = min(len(loader.dataset), batches * loader.batch_size)
+    return DataLoader(
+        Subset(loader.dataset, range(count)),
+        batch_size=loader.batch_size,
+        shuffle=isinstance(loader.sampler, RandomSampler),
+        generator=loader.generator,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        worker_init_fn=loader.worker_init_fn,
+        drop_last=loader.drop_last,
+        persistent_workers=loader.persistent_workers,
+    )
+
+
+class Debug:
+    """The ``debug`` config section; every verb is a no-op for ``debug=none``."""
+
+    def __init__(
+        self,
+        *,
+        train_batches: int | None = None,
+        val_batches: int | None = None,
+        val_on_train: bool = False,
+        detect_anomaly: bool = False,
+        profile: dict | None = None,
+        run_dir: Path,
+        rank: int = 0,
+    ) -> None:
+        for key, value in [("train_batches", train_batches), ("val_batches", val_batches)]:
+            ok = value is None or (
+                isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            )
+            require(f"debug.{key}", value, ok, "an integer >= 1 or null (all)")
+        self.train_batches, self.val_batches = train_batches, val_batches
+        self.val_on_train, self.detect_anomaly = bool(val_on_train), bool(detect_anomaly)
+        self.profile = dict(profile) if profile else None
+        if self.profile:
+            for key in ("wait", "warmup", "active"):
+                value = self.profile.get(key)
+                ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+                require(
+                    f"debug.profile.{key}",
+                    value,
+                    ok and (key != "active" or value >= 1),
+                    "an integer >= 0 (active: >= 1)",
+                )
+        self.dir = Path(run_dir) / "profile"
+        self.rank = rank
+        self._profiler: Any = None
+
+    def loaders(self, loaders: Any) -> Any:
+        """The data module's loaders (a dataclass such as data.DataLoaders), cut
+        to the configured batches; untouched without those keys."""
+        if not (self.train_batches or self.val_batches or self.val_on_train):
+            return loaders
+        train, val = loaders.train, loaders.val
+        if self.train_batches:
+            train = first_batches(train, self.train_batches)
+            log.info(f"debug: training on the first {len(train.dataset)} samples, every epoch")
+        if self.val_on_train:
+            val = DataLoader(train.dataset, batch_size=val.batch_size, collate_fn=val.collate_fn)
+            log.info("debug: validating on the training samples")
+        elif self.val_batches:
+            val = first_batches(val, self.val_batches)
+            log.info(f"debug: validating on the first {len(val.dataset)} samples")
+        return dataclasses.replace(loaders, train=train, val=val)
+
+    def start(self) -> None:
+        """Before the loop."""
+        if self.detect_anomaly:
+            torch.autograd.set_detect_anomaly(True, check_nan=True)
+            log.info("debug: autograd anomaly detection on (slow): a NaN in backward names its op")
+        if self.profile:
+            self._start_profiler()
+
+    def step(self) -> None:
+        """After every optimizer step."""
+        if self._profiler is not None:
+            self._profiler.step()
+
+    def finish(self) -> None:
+        """After the loop."""
+        if self.detect_anomaly:
+            torch.autograd.set_detect_anomaly(False)
+        if self._profiler is not None:
+            self._profiler.stop()
+            self._profiler = None
+
+    def _start_profiler(self) -> None:
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+            self._record_memory_on_oom()
+        p = self.profile
+        self._profiler = profile(
+            activities=activities,
+            schedule=schedule(wait=p["wait"], warmup=p["warmup"], active=p["active"], repeat=1),
+            on_trace_ready=self._write,
+            record_shapes=bool(p.get("record_shapes", True)),
+            profile_memory=bool(p.get("profile_memory", False)),
+        )
+        self._profiler.start()
+        log.info(
+            f"debug: profiling steps {p['wait'] + p['warmup'] + 1}.."
+            f"{p['wait'] + p['warmup'] + p['active']} into {self.dir}"
+        )
+
+    def _write(self, prof: Any) -> None:
+        """The trace (chrome://tracing, Perfetto, TensorBoard) and the top-ops table."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        trace = self.dir / f"trace_rank{self.rank}.json"
+        prof.export_chrome_trace(str(trace))
+        sort_by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        table = prof.key_averages().table(
+            sort_by=sort_by, row_limit=int(self.profile.get("row_limit", 25))
+        )
+        (self.dir / f"top_ops_rank{self.rank}.txt").write_text(table + "\n")
+        log.info(f"debug: profiler trace {trace}, top ops {self.dir}/top_ops_rank{self.rank}.txt")
+
+    def _record_memory_on_oom(self) -> None:
+        """CUDA: keep the allocator's history; on out-of-memory dump a snapshot
+        (open it at https://pytorch.org/memory_viz)."""
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+        path = self.dir / f"oom_snapshot_rank{self.rank}.pickle"
+
+        def dump(*_: Any) -> None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            torch.cuda.memory._dump_snapshot(str(path))
+            log.error(f"debug: out of CUDA memory: snapshot in {path}")
+
+        torch._C._cuda_attach_out_of_memory_observer(dump)

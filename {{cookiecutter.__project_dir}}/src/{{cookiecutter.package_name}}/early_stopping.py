@@ -1,0 +1,100 @@
+"""Early stopping (``trainer.early_stopping``): stop when ``trainer.monitor`` has
+not improved by more than ``min_delta`` for ``patience`` evaluations. A stateful
+extra: the count of evaluations without improvement is saved in checkpoints, so
+a resumed run keeps it. Every rank sees the same evaluation (task.evaluate sums
+across ranks), so every rank decides the same without a collective.
+README: "Early stopping".
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from .config import require
+
+log = logging.getLogger(__name__)
+
+
+class EarlyStopping:
+    """``patience=None``: off (``observe`` never stops, nothing in summary.json)."""
+
+    def __init__(
+        self, *, patience: int | None = None, min_delta: float = 0.0, monitor: str, mode: str
+    ) -> None:
+        ok = patience is None or (isinstance(patience, int) and not isinstance(patience, bool))
+        require(
+            "trainer.early_stopping.patience",
+            patience,
+            ok and (patience is None or patience >= 1),
+            "an integer >= 1 (evaluations without improvement) or null (off)",
+        )
+        ok = isinstance(min_delta, int | float) and not isinstance(min_delta, bool)
+        require(
+            "trainer.early_stopping.min_delta", min_delta, ok and min_delta >= 0, "a number >= 0"
+        )
+        self.patience, self.min_delta = patience, float(min_delta)
+        self.monitor, self.mode = monitor, mode
+        self.best: float | None = None
+        self.bad_evaluations = 0
+        self.stopped_step: int | None = None
+        self.reason: str | None = None
+
+    @property
+    def stopped(self) -> bool:
+        return self.stopped_step is not None
+
+    def improved(self, value: float) -> bool:
+        if math.isnan(value):
+            return False
+        if self.best is None:
+            return True
+        if self.mode == "max":
+            return value > self.best + self.min_delta
+        return value < self.best - self.min_delta
+
+    def observe(self, metrics: dict[str, float], step: int) -> bool:
+        """After an evaluation: True when training should stop now."""
+        if self.patience is None or self.stopped or self.monitor not in metrics:
+            return self.stopped
+        value = metrics[self.monitor]
+        if self.improved(value):
+            self.best, self.bad_evaluations = value, 0
+        else:
+            self.bad_evaluations += 1
+        if self.bad_evaluations >= self.patience:
+            self.stopped_step = step
+            self.reason = (
+                f"{self.monitor} did not improve by more than {self.min_delta:g} in "
+                f"{self.patience} evaluations (best {self.best:.6g})"
+            )
+            log.info(f"early stopping at step {step}: {self.reason}")
+        return self.stopped
+
+    def summary(self) -> dict[str, Any]:
+        """For summary.json: empty when off."""
+        if self.patience is None:
+            return {}
+        return {
+            "early_stopping": {
+                "stopped": self.stopped,
+                "step": self.stopped_step,
+                "reason": self.reason,
+                "bad_evaluations": self.bad_evaluations,
+            }
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "best": self.best,
+            "bad_evaluations": self.bad_evaluations,
+            "stopped_step": self.stopped_step,
+            "reason": self.reason,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best = state["best"]
+        self.bad_evaluations = int(state["bad_evaluations"])
+        self.stopped_step = state["stopped_step"]
+        self.reason = state["reason"]

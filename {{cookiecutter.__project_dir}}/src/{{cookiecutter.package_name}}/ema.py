@@ -1,0 +1,82 @@
+"""An exponential moving average of the weights (``trainer.ema``): updated after
+every optimizer step, evaluated as ``val_ema/*`` through task.py, saved in every
+checkpoint as ``ema.safetensors`` (a stateful extra whose state is tensors) and
+restored bit-exactly; eval.py/predict.py/load_model pick it with ``weights=ema``.
+
+The average is torch's own ``AveragedModel`` with its EMA update (a well-kept
+implementation: foreach lerp over parameters and buffers). Under DDP every rank
+holds the same parameters, so every rank keeps the same average without a
+collective. Under FSDP/DeepSpeed the parameters are sharded: refused (below).
+README: "EMA weights".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from . import task
+from .config import ConfigError, require
+
+
+class WeightAverage:
+    """``enabled=false``: every verb is a no-op and nothing is saved."""
+
+    def __init__(
+        self, *, enabled: bool = False, decay: float = 0.999, model: Any, accelerator: Any
+    ) -> None:
+        require("trainer.ema.enabled", enabled, isinstance(enabled, bool), "true or false")
+        ok = isinstance(decay, int | float) and not isinstance(decay, bool) and 0 < decay < 1
+        require("trainer.ema.decay", decay, ok, "a number between 0 and 1 (exclusive)")
+        self.enabled = enabled
+        self.averaged: AveragedModel | None = None
+        if not enabled:
+            return
+        mode = accelerator.distributed_type.value
+        if mode in ("FSDP", "DEEPSPEED"):
+            raise ConfigError(
+                f"trainer.ema.enabled=true is not supported with {mode}: its parameters are "
+                "sharded across ranks, and the average would be of one shard. Use parallel=ddp "
+                "(or none) with EMA, or trainer.ema.enabled=false"
+            )
+        self._accelerator = accelerator
+        self.averaged = AveragedModel(
+            self._plain(model), multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True
+        )
+
+    def _plain(self, model: torch.nn.Module) -> torch.nn.Module:
+        return self._accelerator.unwrap_model(model, keep_torch_compile=False)
+
+    @property
+    def stateful(self) -> dict[str, WeightAverage]:
+        """For TrainState.stateful: saved in checkpoints only when enabled."""
+        return {"ema": self} if self.enabled else {}
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module) -> None:
+        """After an optimizer step (the first one copies the weights)."""
+        if self.averaged is not None:
+            self.averaged.update_parameters(self._plain(model))
+
+    def evaluate(self, *, loader: Any, accelerator: Any) -> dict[str, float]:
+        """task.evaluate of the average, named ``val_ema/*``; a collective like it."""
+        if self.averaged is None:
+            return {}
+        metrics = task.evaluate(model=self.averaged.module, loader=loader, accelerator=accelerator)
+        return {"val_ema/" + name.split("/", 1)[1]: value for name, value in metrics.items()}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors: ``module.<parameter name>`` and ``n_averaged`` (AveragedModel's)."""
+        return self.averaged.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.averaged.load_state_dict(state)
+
+
+def metric_names(ema: Any) -> tuple[str, ...]:
+    """The metrics ``evaluate`` logs for the config section ``trainer.ema``."""
+    if not (ema or {}).get("enabled", False):
+        return ()
+    return tuple("val_ema/" + name.split("/", 1)[1] for name in task.METRICS)

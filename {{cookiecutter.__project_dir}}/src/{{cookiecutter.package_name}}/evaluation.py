@@ -1,0 +1,189 @@
+"""eval.py's and predict.py's work, on every rank: a checkpoint's model through
+task.py over the data's splits; ``eval.json`` (metrics, checkpoint, step, the
+config's differences from the training run) and ``predictions.csv`` (one row per
+sample, in dataset order, gathered across ranks without the distributed
+sampler's padding). README: "Evaluate, predict, load a model".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import DataLoader, RandomSampler
+
+from . import task
+from .accel import build_accelerator
+from .checkpoint import CheckpointError
+from .config import (
+    ConfigError,
+    check_config,
+    config_differences,
+    instantiate,
+    require,
+    resolve_config,
+)
+from .inference import (
+    PICKS,
+    WEIGHTS,
+    check_choice,
+    load_checkpoint,
+    read_weights,
+    resolve_checkpoint,
+    run_config,
+    run_values,
+)
+from .logs import setup_rank_logging
+from .run_dir import hydra_run_dir, write_json_atomic
+
+log = logging.getLogger(__name__)
+SPLITS = ("val", "test", "train")  # loader attributes of the data module's result
+
+
+def prepare(raw: DictConfig) -> tuple[DictConfig, Path]:
+    """The config to run with (the checkpoint's run config + overrides), checked
+    before any work, and the output dir. eval.py and predict.py call it first.
+    On bad input the (empty) output dir Hydra made is removed again."""
+    out_dir = hydra_run_dir()
+    try:
+        composed = resolve_config(raw)
+        check_choice("ckpt_pick", composed.ckpt_pick, PICKS)
+        check_choice("weights", composed.weights, WEIGHTS)
+        check_choice("split", composed.split, SPLITS)
+        found = Path(composed.ckpt).exists()
+        require("ckpt", composed.ckpt, found, "a run dir, its checkpoints/ or a step_* dir")
+        ckpt = resolve_checkpoint(composed.ckpt, composed.ckpt_pick)
+        _, saved = read_weights(ckpt, composed.weights)  # verified: refused before any work
+        cfg = run_config(saved, composed, list(HydraConfig.get().overrides.task))
+        cfg.ckpt, cfg.ckpt_pick = str(ckpt), "best"  # every worker loads exactly this one
+        check_config(cfg)
+    except (ConfigError, CheckpointError):
+        with contextlib.suppress(OSError):
+            out_dir.rmdir()  # only if empty: nothing else is ever removed
+        raise
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return cfg, out_dir
+
+
+def _prepare(cfg: DictConfig, out_dir: Path) -> tuple[Any, Any, Any]:
+    """(accelerator, loaded checkpoint with the model on its device, data loaders)."""
+    accelerator = build_accelerator(cfg, out_dir)
+    setup_rank_logging(out_dir)
+    loaded = load_checkpoint(cfg.ckpt, cfg.ckpt_pick, cfg.weights, model_config=cfg.model)
+    # evaluation_mode: no DDP/FSDP wrapper (nothing to synchronise); every rank
+    # holds the whole model and evaluates its shard of the data.
+    loaded.model = accelerator.prepare_model(loaded.model, evaluation_mode=True)
+    loaders = instantiate(cfg.data, what="data")
+    return accelerator, loaded, loaders
+
+
+def _split(loaders: Any, split: str, accelerator: Any) -> Any:
+    loader = getattr(loaders, split, None)
+    if loader is None:
+        raise ConfigError(
+            f"split={split!r} is not allowed: the data ({type(loaders).__name__}) has no "
+            f"{split!r} loader; it has: "
+            + ", ".join(s for s in SPLITS if getattr(loaders, s, None) is not None)
+        )
+    return accelerator.prepare_data_loader(loader)
+
+
+def evaluate(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
+    """task.evaluate on the validation split and on a test split when the data
+    has one (its metrics renamed ``test/*``); the main process writes eval.json."""
+    accelerator, loaded, loaders = _prepare(cfg, out_dir)
+    metrics = task.evaluate(
+        model=loaded.model, loader=_split(loaders, "val", accelerator), accelerator=accelerator
+    )
+    if getattr(loaders, "test", None) is not None:
+        test = task.evaluate(
+            model=loaded.model, loader=_split(loaders, "test", accelerator), accelerator=accelerator
+        )
+        metrics |= {"test/" + k.split("/", 1)[1]: v for k, v in test.items()}
+    effective = OmegaConf.to_container(cfg, resolve=True)
+    report = {
+        "checkpoint": str(loaded.checkpoint),
+        "step": loaded.step,
+        "weights": loaded.weights,
+        "world_size": accelerator.num_processes,
+        "metrics": metrics,
+        # what differs from the training run in the keys that decide the results
+        "config_diff": config_differences(
+            run_values(loaded.config), run_values(effective), allowed=()
+        ),
+    }
+    if cfg.get("predict", False):
+        report["predictions"] = str(_write_predictions(cfg, out_dir, accelerator, loaded, loaders))
+    if accelerator.is_main_process:
+        write_json_atomic(out_dir / "eval.json", report)
+    log.info(
+        f"{loaded.checkpoint} (step {loaded.step}, weights {loaded.weights}): "
+        + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+        + f" | {out_dir / 'eval.json'}"
+    )
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return report
+
+
+def predict(cfg: DictConfig, out_dir: Path) -> Path:
+    """predictions.csv for ``cfg.split``; returns its path."""
+    accelerator, loaded, loaders = _prepare(cfg, out_dir)
+    path = _write_predictions(cfg, out_dir, accelerator, loaded, loaders)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return path
+
+
+@torch.no_grad()
+def _write_predictions(
+    cfg: DictConfig, out_dir: Path, accelerator: Any, loaded: Any, loaders: Any
+) -> Path:
+    """Rows ``index,prediction,target`` (sequences: space-separated tokens).
+    ``gather_for_metrics`` returns the ranks' batches in dataset order and drops
+    the samples the distributed sampler repeated to even out the last batch."""
+    split = cfg.get("split", "val")
+    loader = getattr(loaders, split, None)
+    shuffles = isinstance(getattr(loader, "sampler", None), RandomSampler)  # e.g. split=train
+    if shuffles and dataclasses.is_dataclass(loaders):
+        # the same samples in dataset order (what the rows' index means)
+        loader = DataLoader(
+            loader.dataset,
+            batch_size=loader.batch_size,
+            collate_fn=loader.collate_fn,
+            num_workers=loader.num_workers,
+        )
+        loaders = dataclasses.replace(loaders, **{split: loader})
+    loader = _split(loaders, split, accelerator)
+    loaded.model.eval()  # task.evaluate leaves the model in train mode
+    predictions, targets = [], []
+    for batch in loader:
+        pred = task.predict(model=loaded.model, batch=batch)
+        pred, y = accelerator.gather_for_metrics((pred, task.targets(batch=batch)))
+        predictions.append(pred.cpu())
+        targets.append(y.cpu())
+    path = out_dir / "predictions.csv"
+    if accelerator.is_main_process:
+        tmp = path.with_suffix(".csv.tmp")
+        with open(tmp, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["index", "prediction", "target"])
+            index = 0
+            for pred, y in zip(predictions, targets, strict=True):
+                for p, t in zip(pred, y, strict=True):
+                    writer.writerow([index, _cell(p), _cell(t)])
+                    index += 1
+        tmp.replace(path)
+        log.info(f"{index} predictions of the {split!r} split: {path}")
+    return path
+
+
+def _cell(value: torch.Tensor) -> str | int | float:
+    return value.item() if value.dim() == 0 else " ".join(str(v) for v in value.tolist())
