@@ -115,8 +115,13 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     )
     # SIGTERM/SIGUSR1/SIGUSR2/Ctrl-C: save at the next step boundary, then exit (checkpoints on)
     ck = cfg.checkpoint
+    # Under DDP the ranks agree on a signal in the guard's all-reduces: at log steps
+    # (on_nan=stop) or every step (on_nan=skip), never in an all-reduce of its own per step.
     signals = StopSignals(
-        accelerator=accelerator, enabled=ck.enabled and ck.get("save_on_signal", True)
+        accelerator=accelerator,
+        enabled=ck.enabled and ck.get("save_on_signal", True),
+        guard=guard,
+        every_n_steps=cfg.trainer.log_every_n_steps,
     )
     ckpt = CheckpointManager(
         checkpoint=cfg.checkpoint,
@@ -208,7 +213,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
                 accelerator.log(metrics, step=step)
                 progress.report(step, metrics)
 
-            stop = signals.poll_stop(step)  # every rank, once per step: a collective
+            stop = signals.poll_stop(step)  # every rank, every step (agreed at most once a step)
             # every N steps/epochs, a new best, after a stop signal
             ckpt.maybe_save(
                 step, epoch, batch, metrics=book.last, fresh=book.fresh(step), stop=stop
@@ -218,7 +223,8 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
                 break
     progress.close()
     guard.check(step)
-    ckpt.finish(metrics=book.last, stop=signals.stopped)  # the last checkpoint
+    stop = signals.poll_stop(step, final=True)  # every rank agrees on how the loop ended
+    ckpt.finish(metrics=book.last, stop=stop)  # the last checkpoint
     signals.finish(saved=ckpt.last_saved)  # after a stop signal: exit (SLURM: requeue)
 
     # --- summary and final weights -----------------------------------------------------
