@@ -76,6 +76,8 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "README.md",
         "pyproject.toml",
         "bench.py",
+        "scripts/bench_checkpoint.py",
+        "scripts/bench_children.py",
         "scripts/bench_tracking.py",
         "scripts/gpu_check.sh",
         "train.py",

@@ -74,6 +74,9 @@ GOALS = {  # figure: (comparison, goal, the baseline it is measured against)
 }
 PARTS = ("loop", "ddp", "startup", "checkpoint", "log")
 CHILDREN = ROOT / "scripts" / "bench_children.py"  # the timed processes
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_checkpoint import bench_checkpoint  # noqa: E402 (the checkpoint figures, in-process)
+
 GPT = ["model=gpt", "data=tokens"]
 SIZES = {  # workload sizes per setting; override any with --overrides
     "quick": [
@@ -255,142 +258,39 @@ def bench_ddp(args, overrides: list[str], work: Path, results: dict) -> None:
     results["ddp_ours_steps_per_sec"], results["ddp_bare_steps_per_sec"] = ours, bare
 
 
-def bench_startup(args, overrides: list[str], work: Path, results: dict) -> None:
-    """The fixed costs one by one (a fresh process), and preflight on the
-    example task: ``python train.py preflight.only=true`` with the defaults."""
-    out = work / "startup.json"
-    spec_path = work / "startup.spec.json"
+def bench_startup(args, work: Path, results: dict) -> None:
+    """The fixed costs of a start of ``python train.py`` (the defaults: the
+    example task) one by one in a fresh process, then its preflight there."""
     costs: list[dict] = []
-    for _ in range(args.repeats):
-        spec_path.write_text(
-            json.dumps({"out": str(out), "overrides": overrides, "launched_at": time.time()})
-        )
+    for round_ in range(args.repeats):
+        out, run_dir = work / f"startup-{round_}.json", work / f"preflight-{round_}"
+        spec = {"out": str(out), "overrides": [], "run_dir": str(run_dir)}
+        spec_path = out.with_suffix(".spec.json")
+        spec_path.write_text(json.dumps({**spec, "launched_at": time.time()}))
         cmd = [sys.executable, str(CHILDREN), "startup", str(spec_path)]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"bench: the start-up process failed:\n{proc.stderr[-3000:]}")
-        costs.append(json.loads(out.read_text()))
-    run_dir = work / "preflight-run"
-    cmd = [sys.executable, str(ROOT / "train.py"), "preflight.only=true", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    log_text = (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else ""
-    took = re.search(r"preflight \(([\d.]+) s\)", log_text)
-    if proc.returncode != 0 or took is None:
-        raise SystemExit(f"bench: preflight.only=true failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    eta = json.loads((run_dir / "preflight.json").read_text())["estimates"]["eta_s"] or 0.0
-    shutil.rmtree(run_dir, ignore_errors=True)
+        log_text = (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else ""
+        took = re.search(r"preflight \(([\d.]+) s\)", log_text)
+        if proc.returncode != 0 or took is None or not out.exists():
+            tail = (proc.stdout + proc.stderr)[-3000:]
+            raise SystemExit(f"bench: the start-up process failed:\n{tail}")
+        cost = json.loads(out.read_text())
+        cost["preflight (example task, defaults)"] = float(took.group(1))
+        eta = json.loads((run_dir / "preflight.json").read_text())["estimates"]["eta_s"]
+        cost["eta"] = eta or 0.0
+        costs.append(cost)
+        shutil.rmtree(run_dir, ignore_errors=True)
     fixed = {name: statistics.median(c[name] for c in costs) for name in costs[0]}
-    fixed["preflight (example task, defaults)"] = float(took.group(1))
-    print("  fixed costs of a start (median):")
+    eta = fixed.pop("eta")
+    print("  fixed costs of a start of train.py with the defaults (median):")
     for name, seconds in fixed.items():
         print(f"    {name:<44} {seconds * 1000:8.0f} ms")
     print(f"    {'total':<44} {sum(fixed.values()) * 1000:8.0f} ms")
+    preflight = fixed["preflight (example task, defaults)"]
     allowed = max(1.0, 0.02 * eta)
-    print(f"  preflight {float(took.group(1)):.2f} s; allowed max(1 s, 2 % of ETA {eta:.0f} s)")
-    results["preflight_share"] = float(took.group(1)) / allowed
+    print(f"  preflight {preflight:.2f} s; allowed max(1 s, 2 % of its ETA {eta:.0f} s)")
+    results["preflight_share"] = preflight / allowed
     results["startup_costs_s"] = fixed
-
-
-def bench_checkpoint(args, overrides: list[str], work: Path, results: dict) -> None:
-    """Our save/load against torch.save/torch.load of the same state, and the
-    time an async save blocks against a sync one, in this process."""
-    import torch
-    from accelerate import Accelerator
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
-    from {{ cookiecutter.package_name }} import task
-    from {{ cookiecutter.package_name }}.checkpoint import CheckpointManager
-    from {{ cookiecutter.package_name }}.state import TrainState, rng_state
-
-    cfg = OmegaConf.create(compose(overrides))
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    model = instantiate(cfg.model)
-    optimizer = instantiate(cfg.optimizer)(model.parameters())
-    scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=100)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    batch = [t.to(accelerator.device) for t in next(iter(instantiate(cfg.data).train))]
-    task.loss(model=model, batch=batch).backward()
-    optimizer.step()  # the optimizer state exists
-    scheduler.step()
-
-    state = TrainState(model, optimizer, scheduler, train_loader=[], val_loader=[])
-
-    def manager(asynchronous: bool) -> CheckpointManager:
-        settings = {"enabled": True, "keep_last": 2, "save_on_signal": False}
-        return CheckpointManager(
-            checkpoint={**settings, "async": asynchronous},
-            config=OmegaConf.to_container(cfg, resolve=True),
-            run_dir=work / ("async" if asynchronous else "sync"),
-            accelerator=accelerator,
-            state=state,
-        )
-
-    sync, background = manager(False), manager(True)
-    raw_path = work / "raw.pt"
-    unwrapped = accelerator.unwrap_model(model)
-
-    def raw_state() -> dict:
-        return {
-            "model": unwrapped.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "rng": rng_state(),
-        }
-
-    def raw_save_fsync() -> None:
-        with open(raw_path, "wb") as f:
-            torch.save(raw_state(), f)
-            f.flush()
-            os.fsync(f.fileno())
-
-    def raw_load() -> None:
-        state = torch.load(raw_path, map_location="cpu", weights_only=True)
-        unwrapped.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-
-    step = iter(range(1, 10**6))
-    last: list[Path] = []
-
-    def our_save() -> None:
-        last.append(sync.save(next(step), 0, 0, ["bench"]))
-
-    def async_save() -> None:
-        background.save(next(step), 0, 0, ["bench"])  # returns once staged
-
-    steps = {
-        "raw save": lambda: torch.save(raw_state(), raw_path),
-        "our save": our_save,
-        "raw save+fsync": raw_save_fsync,
-        "raw load": raw_load,
-        "our load": lambda: sync.load(last[-1]),
-        "async save (blocking)": async_save,
-    }
-    groups = [["raw save", "our save", "async save (blocking)"], ["raw save+fsync"]]
-    groups.append(["raw load", "our load"])  # each loads what the round saved
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for round_ in range(args.repeats + 1):  # round 0 warms up and is dropped
-        for group in groups:
-            for name in group if round_ % 2 else reversed(group):
-                background.wait()  # the async save in flight is done before anything is timed
-                start = time.perf_counter()
-                steps[name]()
-                if round_:
-                    times[name].append(time.perf_counter() - start)
-    background.wait()
-    med = {name: statistics.median(values) for name, values in times.items()}
-    size = sum(p.stat().st_size for p in last[-1].iterdir()) / 2**20
-    params = sum(p.numel() for p in unwrapped.parameters())
-    print(f"  checkpoint of {params:,} parameters + optimizer state: {size:.1f} MB")
-    for name, value in med.items():
-        print(f"  {name:<24} {value * 1000:9.1f} ms")
-    results["save_ratio"] = med["our save"] / med["raw save+fsync"]
-    results["save_vs_raw_ratio"] = med["our save"] / med["raw save"]
-    results["load_ratio"] = med["our load"] / med["raw load"]
-    results["async_block_ratio"] = med["async save (blocking)"] / med["our save"]
-    results["checkpoint_mb"] = size
-    results.update({f"{k.replace(' ', '_')}_ms": v * 1000 for k, v in med.items()})
 
 
 # --- report -----------------------------------------------------------------------------------
@@ -410,6 +310,10 @@ def machine() -> dict:
     if torch.cuda.is_available():
         info["device"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     return info
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def report(results: dict) -> None:
@@ -468,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench_", dir=args.dir or ROOT))
     results: dict = {}
     print(f"workload: {' '.join(overrides) or '(defaults)'}; {args.repeats} round(s)")
-    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
+    print(f"load average before: {_load()} ({os.cpu_count()} CPUs)")
     try:
         if {"loop", "startup", "log"} & set(args.only):
             print(
@@ -483,16 +387,17 @@ def main(argv: list[str] | None = None) -> int:
         if "startup" in args.only:
             print("start-up:")
             (work / "startup").mkdir()
-            bench_startup(args, overrides, work / "startup", results)
+            bench_startup(args, work / "startup", results)
         if "checkpoint" in args.only:
             print("checkpoints:")
             size = [] if args.quick or args.overrides is not None else CHECKPOINT_SIZE[where]
             (work / "checkpoint").mkdir()
-            bench_checkpoint(args, [*overrides, *size], work / "checkpoint", results)
+            config = compose([*overrides, *size])
+            bench_checkpoint(args, config, work / "checkpoint", results)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report(results)
-    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"load average after: {_load()}")
     if args.json:
         payload = {
             "figures": {k: results[k] for k in GOALS if k in results},

@@ -120,9 +120,11 @@ def child_bare(spec: dict) -> None:
 
 
 def child_startup(spec: dict) -> None:
-    """The fixed costs of ``python train.py`` one by one, in a fresh process:
-    imports (torch, Hydra, accelerate, the rest train.py imports), composing
-    the config, building the accelerator. Written to ``spec["out"]``."""
+    """The fixed costs of ``python train.py`` (the defaults) one by one, in a
+    fresh process: imports (torch, Hydra, accelerate, the rest train.py
+    imports), composing the config, building the accelerator; written to
+    ``spec["out"]``. Then ``train.py preflight.only=true`` in this process:
+    its train.log says how long preflight took."""
     costs = {"interpreter start (to the first line)": STARTED - spec["launched_at"]}
 
     def mark(name: str, since: float) -> float:
@@ -131,7 +133,7 @@ def child_startup(spec: dict) -> None:
         return now
 
     t = time.time()
-    import torch  # noqa: F401
+    import torch
 
     t = mark("import torch", t)
     import hydra  # noqa: F401
@@ -160,6 +162,9 @@ def child_startup(spec: dict) -> None:
     mark("build the Accelerator", t)
     del cfg
     Path(spec["out"]).write_text(json.dumps(costs))
+    sys.argv = [str(ROOT / "train.py"), *spec["overrides"], "preflight.only=true"]
+    sys.argv.append(f"hydra.run.dir={spec['run_dir']}")
+    runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
 
 
 if __name__ == "__main__":

@@ -360,14 +360,28 @@ def test_lean_ddp_step_skip_in_lockstep_and_a_signal_to_one_rank_stops_at_a_log_
     the next log step (every 5 here), where every rank saves and exits 143."""
     skip = tmp_path / "skip"
     args = ["parallel=ddp", "preflight=off", "tracker=none", "trainer.log_every_n_steps=5"]
-    ok(run(tmp_path, *args, "model._target_=tests.faults.NanOnRank1", "trainer.on_nan=skip",
-           "trainer.max_steps=10", f"hydra.run.dir={skip}"))
+    ok(
+        run(
+            tmp_path,
+            *args,
+            "model._target_=tests.faults.NanOnRank1",
+            "trainer.on_nan=skip",
+            "trainer.max_steps=10",
+            f"hydra.run.dir={skip}",
+        )
+    )
     assert json.loads((skip / "summary.json").read_text())["skipped_nan_steps"] == 2
     assert_two_rank_run(skip)  # the same weights on both ranks: the same decisions
 
     stopped = tmp_path / "stopped"
-    launcher = start(tmp_path, *args, "model._target_=tests.faults.Slow", "trainer.max_steps=400",
-                     "checkpoint.every_n_steps=1000", f"hydra.run.dir={stopped}")
+    launcher = start(
+        tmp_path,
+        *args,
+        "model._target_=tests.faults.Slow",
+        "trainer.max_steps=400",
+        "checkpoint.every_n_steps=1000",
+        f"hydra.run.dir={stopped}",
+    )
     log_file = stopped / "train.log"
     deadline = time.monotonic() + 120
     while "step 10/400" not in (log_file.read_text() if log_file.exists() else ""):

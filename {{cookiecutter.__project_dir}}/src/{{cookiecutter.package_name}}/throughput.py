@@ -111,7 +111,6 @@ class Throughput:
             out["perf/mfu"] = flops / (self.peak * self.processes)
         return out
 
-
     def summary(
         self,
         steps: int,
