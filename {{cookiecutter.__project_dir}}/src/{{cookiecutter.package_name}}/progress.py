@@ -58,14 +58,15 @@ class Progress:
         left = (self.total - step) * wall / done if done > 0 else None
         eta = datetime.timedelta(seconds=round(left)) if left is not None else "?"
         shown = {k: f"{v:.4g}" for k, v in metrics.items() if not k.startswith("perf/")}
-        rates = []
-        for key, unit in (("steps_per_sec", "steps/s"), ("samples_per_sec", "samples/s")):
-            if f"perf/{key}" in metrics:
-                rates.append(f"{metrics[f'perf/{key}']:.1f} {unit}")
+        rates = []  # one window, training time only (module docstring)
+        if "perf/samples_per_sec" in metrics:
+            rates.append(f"{metrics['perf/samples_per_sec']:.0f} samples/s")
         if "perf/tokens_per_sec" in metrics:
             rates.append(f"{metrics['perf/tokens_per_sec']:.0f} tokens/s")
         if "perf/mfu" in metrics:
             rates.append(f"mfu {metrics['perf/mfu']:.1%}")
+        if "perf/steps_per_sec" in metrics:
+            rates.append(f"{metrics['perf/steps_per_sec']:.1f} steps/s")
         self.bar.set_postfix(shown, refresh=False)
         if self.log_lines:
             fields = " | ".join([*(f"{k} {v}" for k, v in shown.items()), *rates])
