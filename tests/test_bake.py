@@ -126,6 +126,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         f"{pkg}/checkpoint/__init__.py",
         f"{pkg}/checkpoint/__main__.py",
         f"{pkg}/checkpoint/async_save.py",
+        f"{pkg}/checkpoint/checksums.py",
         f"{pkg}/checkpoint/commit.py",
         f"{pkg}/checkpoint/format.py",
         f"{pkg}/checkpoint/full_state.py",

@@ -1,23 +1,17 @@
-"""The checkpoint on disk: layout, manifest, the hashing writer, the commit and
-pruning steps, verification and safe loading. No accelerator: unit-testable.
+"""The checkpoint on disk: layout, manifest, the commit and pruning steps,
+verification and safe loading (each file read once; checksums in checksums.py).
+No accelerator: unit-testable.
 
 ``step_0000500/`` holds ``model.safetensors``, ``optimizer.pt``, ``scheduler.pt``
 (``scaler.pt``), ``rng_rank{r}.pt``, ``trainer_state.json``, ``config.json`` and,
-written last, ``MANIFEST.json`` (checksum and size of every file). Nothing is
-unpickled beyond ``torch.load(weights_only=True)``. README: "Checkpoints and resuming".
-
-The checksum is XXH3-128 (``HASH``), chosen by measurement (bench.py; ~5 GB/s
-on one core against ~0.5 GB/s for sha256 and ~1.4 GB/s for multi-threaded
-BLAKE3 on the 2-core machine of issue 18): it guards against corruption, which
-is its purpose; the manifest is not signed, and a forged file is defeated by
-safe loading, not by the hash. Each manifest entry names its algorithm
-(``{"xxh3_128": ..., "size": ...}``); older manifests' ``sha256`` entries still verify.
+written last, ``MANIFEST.json`` (checksum and size of every file, checksums.py).
+Nothing is unpickled beyond ``torch.load(weights_only=True)``. README: "Checkpoints
+and resuming".
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import io
 import json
 import mmap
@@ -34,16 +28,16 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 from safetensors.torch import load_file as load_safetensors_file
 from safetensors.torch import save as save_safetensors
 
 from ..run_dir import write_json_atomic
 
+# Re-exported: callers name them as format's (fmt.HASH, fmt.file_entry, fmt.sha256).
+from .checksums import HASH, HASHES, HashingWriter, digest, entry_hash, file_entry, sha256  # noqa: F401
+
 MANIFEST = "MANIFEST.json"
 FORMAT_VERSION = 1  # unchanged by the hash: each entry names its algorithm
-HASH = "xxh3_128"  # what new checkpoints use; HASHES: what a manifest entry may name
-HASHES: dict[str, Callable[[], Any]] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 STEP_DIR = re.compile(r"^step_(\d+)$")
 REQUIRED_FILES = (
     "model.safetensors",
@@ -97,28 +91,6 @@ def write_file(path: Path, data: bytes | memoryview) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def sha256(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()  # releases the GIL: runs beside writes
-
-
-def digest(data: bytes | memoryview) -> str:
-    """The ``HASH`` of ``data`` (xxhash releases the GIL: runs beside writes)."""
-    return HASHES[HASH](data).hexdigest()
-
-
-def file_entry(data: bytes | memoryview) -> dict[str, Any]:
-    """The manifest entry of a file holding ``data``."""
-    return {HASH: digest(data), "size": memoryview(data).nbytes}
-
-
-def entry_hash(entry: dict[str, Any]) -> tuple[str, str]:
-    """(algorithm, hex digest) of a manifest entry; ValueError when it names none we know."""
-    named = [name for name in HASHES if isinstance(entry.get(name), str)]
-    if len(named) != 1:
-        raise ValueError(f"an entry needs one checksum of {', '.join(HASHES)}: {entry!r}")
-    return named[0], entry[named[0]]
 
 
 def checkpoint_name(step: int) -> str:
@@ -201,12 +173,6 @@ def _size_checked(ckpt: Path, name: str, expected: dict[str, Any]) -> Path:
     return path
 
 
-def _compare(path: Path, hasher: Any, expected: dict[str, Any]) -> None:
-    algorithm, want = entry_hash(expected)
-    if hasher.hexdigest() != want:
-        raise CheckpointError(f"{path}: {algorithm} does not match the manifest (corrupted)")
-
-
 def _check_file(ckpt: Path, name: str, expected: dict[str, Any]) -> None:
     """Size and checksum of one file against its manifest entry, hashed from
     a read-only memory map: the page cache's own bytes, no copy (the parsing
@@ -224,7 +190,9 @@ def _check_file(ckpt: Path, name: str, expected: dict[str, Any]) -> None:
                         view.release()
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{path}: cannot be read ({err})") from err
-    _compare(path, hasher, expected)
+    algorithm, want = entry_hash(expected)
+    if hasher.hexdigest() != want:
+        raise CheckpointError(f"{path}: {algorithm} does not match the manifest (corrupted)")
 
 
 def verify_files(
@@ -325,47 +293,6 @@ def parse_file(name: str, path: Path) -> Any:
 
 
 # --- writing ---------------------------------------------------------------------------
-
-
-class HashingWriter:
-    """A file being written that hashes what passes through it, from the same
-    buffers: large ones are hashed in ``hashers`` while this thread writes them
-    (hashlib and file writes release the GIL), so hashing adds little time. On
-    exit (no error) the file is fsynced; ``entry`` is its manifest entry."""
-
-    def __init__(self, path: Path, hashers: ThreadPoolExecutor) -> None:
-        self._file = open(path, "wb")  # noqa: SIM115 (closed by __exit__)
-        self._digest = HASHES[HASH]()
-        self._hashers = hashers
-        self._size = 0
-        self.entry: dict[str, Any] = {}
-
-    def write(self, data: bytes | memoryview) -> int:
-        view = memoryview(data).cast("B")
-        if view.nbytes >= 1 << 20:
-            hashed = self._hashers.submit(self._digest.update, view)
-            self._file.write(view)
-            hashed.result()
-        else:
-            self._digest.update(view)
-            self._file.write(view)
-        self._size += view.nbytes
-        return view.nbytes
-
-    def flush(self) -> None:
-        self._file.flush()
-
-    def __enter__(self) -> HashingWriter:
-        return self
-
-    def __exit__(self, error_type: Any, *_: Any) -> None:
-        try:
-            if error_type is None:
-                self._file.flush()
-                os.fsync(self._file.fileno())
-                self.entry = {HASH: self._digest.hexdigest(), "size": self._size}
-        finally:
-            self._file.close()
 
 
 def unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
