@@ -20,16 +20,26 @@ loop_ratio          steps/s of ``python train.py`` (defaults: its tracker, log l
                     10 steps, checkpoints every 500 steps; evaluation only after the timed
                     steps) / a bare hand-written loop on the same model, data loader,
                     batch, optimizer, schedule, clipping and precision
-first_step_ratio    process start -> first optimizer step done: ``python train.py`` / a     <= 1.5
+ddp_loop_ratio      the same with 2 processes: ``torchrun train.py parallel=ddp`` / a bare  >= 0.97
+                    DDP loop (gloo on a CPU, NCCL on GPUs), steps/s of rank 0
+first_step_ratio    process start -> first optimizer step done: ``python train.py`` / a     <= 1.2
                     bare script that imports torch, builds the model and data, one step
-save_ratio          our save (atomic protocol, sha256, fsync, manifest, pointers, pruning)   <= 1.10
-                    / one ``torch.save`` of the same state to the same disk (no fsync;
-                    ``save_vs_fsync_ratio`` compares with torch.save + fsync)
-load_ratio          our load (every sha256 verified, weights_only, applied) / torch.load +  <= 1.10
-                    load_state_dict of the same state
+process_ratio       the whole process (start to exit) of those two runs                     <= 1.2
+preflight_share     preflight's seconds on the example task (``train.py`` defaults) / the   <= 1.0
+                    larger of 1 s and 2 % of its own ETA
+save_ratio          our save (atomic protocol, xxh3 checksums, fsync, manifest, pointers,   <= 1.10
+                    pruning) / one ``torch.save`` + fsync of the same state to the same
+                    disk (``save_vs_raw_ratio``: against torch.save without fsync)
+load_ratio          our load (every checksum verified, weights_only, applied) /             <= 1.15
+                    torch.load + load_state_dict of the same state
 async_block_ratio   time ``save`` blocks training with ``checkpoint.async=true`` / without  <= 0.25
 log_overhead        1 - steps/s with ``tracker=[--trackers]`` / with ``tracker=none``        <= 0.01
 ==================  =====================================================================  ======
+
+``--only startup`` also lists the fixed costs of a start one by one (interpreter,
+imports, Hydra, the accelerator, preflight). ``--quick`` (CI) runs every part
+at tiny sizes, one round, the log figure from the default run: every figure is
+printed, none is judged.
 
 The default workload is the GPT example (``model=gpt data=tokens``): small on a
 CPU, its configured size with bf16 on a GPU. With ``trainer.compile=true`` in
@@ -41,6 +51,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -50,15 +61,22 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-GOALS = {  # figure: (comparison, goal)
-    "loop_ratio": (">=", 0.98),
-    "first_step_ratio": ("<=", 1.5),
-    "save_ratio": ("<=", 1.10),
-    "load_ratio": ("<=", 1.10),
-    "async_block_ratio": ("<=", 0.25),
-    "log_overhead": ("<=", 0.01),
+GOALS = {  # figure: (comparison, goal, the baseline it is measured against)
+    "loop_ratio": (">=", 0.98, "a bare hand-written loop, steps/s"),
+    "ddp_loop_ratio": (">=", 0.97, "a bare 2-process DDP loop, steps/s"),
+    "first_step_ratio": ("<=", 1.2, "a bare script's time to its first step"),
+    "process_ratio": ("<=", 1.2, "a bare script's whole process"),
+    "preflight_share": ("<=", 1.0, "max(1 s, 2 % of the example's ETA)"),
+    "save_ratio": ("<=", 1.10, "torch.save + fsync"),
+    "load_ratio": ("<=", 1.15, "torch.load + load_state_dict"),
+    "async_block_ratio": ("<=", 0.25, "our synchronous save"),
+    "log_overhead": ("<=", 0.01, "tracker=none, steps/s"),
 }
-PARTS = ("loop", "startup", "checkpoint", "log")
+PARTS = ("loop", "ddp", "startup", "checkpoint", "log")
+CHILDREN = ROOT / "scripts" / "bench_children.py"  # the timed processes
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_checkpoint import bench_checkpoint  # noqa: E402 (the checkpoint figures, in-process)
+
 GPT = ["model=gpt", "data=tokens"]
 SIZES = {  # workload sizes per setting; override any with --overrides
     "quick": [
@@ -89,107 +107,31 @@ CHECKPOINT_SIZE = {  # ~20M parameters: ~250 MB with AdamW's state
 }
 
 
-# --- the two kinds of training process ------------------------------------------------------
+# --- running the timed processes (scripts/bench_children.py) ---------------------------------
 
 
-def _install_step_clock(out_path: str) -> None:
-    """Record when every optimizer step ends (wall clock for the first, a
-    monotonic clock for all) and write them to ``out_path`` at exit."""
-    import atexit
-
-    import torch
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    first: list[float] = []
-    times: list[float] = []
-
-    def hook(optimizer, args, kwargs) -> None:
-        # accelerate's optimizer wrapper steps the real one: count the real one only.
-        if type(optimizer).__module__.startswith("torch.optim"):
-            times.append(time.perf_counter())
-            if not first:
-                first.append(time.time())
-
-    register_optimizer_step_post_hook(hook)
-
-    def write() -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        Path(out_path).write_text(json.dumps({"first_step_at": first[:1], "times": times}))
-
-    atexit.register(write)
-
-
-def _child_train(spec: dict) -> None:
-    """``python train.py OVERRIDES``, with the step clock installed."""
-    import runpy
-
-    _install_step_clock(spec["out"])
-    sys.argv = [str(ROOT / "train.py"), *spec["overrides"]]
-    runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
-
-
-def _build(node: dict):
-    """A tiny ``hydra.utils.instantiate`` for the bare side (no Hydra import)."""
-    import functools
-    import importlib
-
-    kwargs = {k: v for k, v in node.items() if not k.startswith("_")}
-    module, _, name = node["_target_"].rpartition(".")
-    target = getattr(importlib.import_module(module), name)
-    return functools.partial(target, **kwargs) if node.get("_partial_") else target(**kwargs)
-
-
-def _child_bare(spec: dict) -> None:
-    """The floor: the same model, data, optimizer, schedule, clipping and
-    precision in a hand-written loop, with nothing else."""
-    _install_step_clock(spec["out"])
-    import torch
-
-    from {{ cookiecutter.package_name }} import task  # the same loss as train.py's
-
-    cfg, steps = spec["config"], spec["steps"]
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.manual_seed(cfg["seed"])
-    loaders = _build(cfg["data"])
-    model = _build(cfg["model"]).to(device)
-    optimizer = _build(cfg["optimizer"])(model.parameters())
-    scheduler = _build(cfg["scheduler"])(optimizer, total_steps=steps)
-    if cfg["trainer"].get("compile"):
-        model = torch.compile(model)
-    bf16 = cfg["trainer"]["mixed_precision"] == "bf16"
-    clip = cfg["trainer"]["grad_clip_norm"]
-    done = 0
-    while done < steps:
-        for batch in loaders.train:
-            batch = [t.to(device, non_blocking=True) for t in batch]
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                loss = task.loss(model=model, batch=batch)
-            loss.backward()
-            if clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            done += 1
-            if done == steps:
-                break
-
-
-def _run_child(kind: str, spec: dict, work: Path) -> dict:
-    """Run one training process; return its step times and start-up time."""
+def _run_child(kind: str, spec: dict, work: Path, ddp: bool = False) -> dict:
+    """Run one training process (``ddp``: 2 under torchrun); return rank 0's
+    steps/s after the warm-up, its time to the first step and the whole
+    process's wall time."""
     out = work / f"{kind}-{time.monotonic_ns()}.json"
-    spec = {**spec, "out": str(out)}
+    spec = {**spec, "out": str(out), "ddp": ddp}
     spec_path = out.with_suffix(".spec.json")
     spec_path.write_text(json.dumps(spec))
+    launcher = [sys.executable]
+    if ddp:
+        torchrun = Path(sys.executable).with_name("torchrun")
+        launcher = [str(torchrun), "--standalone", "--nproc_per_node", "2"]
+        out = out.with_name(out.name + ".rank0")
     started = time.time()
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench.py"), "--child", kind, str(spec_path)],
+        [*launcher, str(CHILDREN), kind, str(spec_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         stdin=subprocess.DEVNULL,
     )
+    process_s = time.time() - started
     if proc.returncode != 0 or not out.exists():
         tail = (proc.stdout + proc.stderr)[-3000:]
         raise SystemExit(f"bench: the {kind} process failed (exit {proc.returncode}):\n{tail}")
@@ -201,6 +143,7 @@ def _run_child(kind: str, spec: dict, work: Path) -> dict:
     return {
         "steps_per_sec": (len(times) - 1 - skip) / (times[-1] - times[skip]),
         "first_step_s": result["first_step_at"][0] - started,
+        "process_s": process_s,
     }
 
 
@@ -221,12 +164,42 @@ def compose(overrides: list[str]) -> dict:
     return OmegaConf.to_container(resolve_config(cfg), resolve=True)
 
 
-def bench_loops(args, overrides: list[str], work: Path, results: dict) -> None:
-    """Ours and bare in alternation; train.py also with tracker=none and with
-    the --trackers list when the log part is on."""
+def _alternate(
+    args, variants: dict, overrides: list[str], config: dict, work: Path, ddp: bool = False
+) -> dict[str, list[dict]]:
+    """``args.repeats`` rounds of every variant of ours (train.py with
+    ``overrides`` + its own) and the bare loop, alternating the order."""
     steps, warmup = args.steps, max(2, args.steps // 10)
     if any(o.startswith("trainer.compile=true") for o in overrides):
         warmup = max(warmup, args.steps // 3)  # compiling takes the first steps
+    runs: dict[str, list[dict]] = {name: [] for name in [*variants, "bare"]}
+    for round_ in range(args.repeats):
+        order = [*variants, "bare"]
+        if round_ % 2:
+            order.reverse()
+        for name in order:
+            spec = {"steps": steps, "warmup": warmup}
+            if name == "bare":
+                result = _run_child("bare", {**spec, "config": config}, work, ddp)
+            else:
+                run_dir = work / f"run-{len(os.listdir(work))}"
+                spec["overrides"] = [*overrides, *variants[name], f"hydra.run.dir={run_dir}"]
+                result = _run_child("train", spec, work, ddp)
+                shutil.rmtree(run_dir, ignore_errors=True)
+            runs[name].append(result)
+            print(
+                f"  round {round_ + 1}/{args.repeats} {name:<32} "
+                f"{result['steps_per_sec']:8.2f} steps/s, first step after "
+                f"{result['first_step_s']:.2f} s, process {result['process_s']:.2f} s",
+                flush=True,
+            )
+    return runs
+
+
+def bench_loops(args, overrides: list[str], work: Path, results: dict) -> None:
+    """Ours and bare in alternation; train.py also with tracker=none and with
+    the --trackers list when the log part is on."""
+    steps = args.steps
     common = [
         f"trainer.max_steps={steps}",
         f"trainer.eval_every_n_steps={steps}",  # evaluate once, after the timed steps
@@ -244,32 +217,7 @@ def bench_loops(args, overrides: list[str], work: Path, results: dict) -> None:
         variants["ours, tracker=none"] = ["tracker=none"]
         if "ours" not in variants or sorted(config["tracker"]) != sorted(args.trackers):
             variants[tracked] = [f"tracker=[{','.join(args.trackers)}]"]
-    runs: dict[str, list[dict]] = {name: [] for name in [*variants, "bare"]}
-    for round_ in range(args.repeats):
-        order = [*variants, "bare"]
-        if round_ % 2:
-            order.reverse()
-        for name in order:
-            spec = {"steps": steps, "warmup": warmup}
-            if name == "bare":
-                result = _run_child("bare", {**spec, "config": config}, work)
-            else:
-                run_dir = work / f"run-{len(os.listdir(work))}"
-                spec["overrides"] = [
-                    *overrides,
-                    *common,
-                    *variants[name],
-                    f"hydra.run.dir={run_dir}",
-                ]
-                result = _run_child("train", spec, work)
-                shutil.rmtree(run_dir, ignore_errors=True)
-            runs[name].append(result)
-            print(
-                f"  round {round_ + 1}/{args.repeats} {name:<32} "
-                f"{result['steps_per_sec']:8.2f} steps/s, first step after "
-                f"{result['first_step_s']:.2f} s",
-                flush=True,
-            )
+    runs = _alternate(args, variants, [*overrides, *common], config, work)
 
     def med(name: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[name])
@@ -282,6 +230,9 @@ def bench_loops(args, overrides: list[str], work: Path, results: dict) -> None:
         results["first_step_ratio"] = med("ours", "first_step_s") / med("bare", "first_step_s")
         results["ours_first_step_s"] = med("ours", "first_step_s")
         results["bare_first_step_s"] = med("bare", "first_step_s")
+        results["process_ratio"] = med("ours", "process_s") / med("bare", "process_s")
+        results["ours_process_s"] = med("ours", "process_s")
+        results["bare_process_s"] = med("bare", "process_s")
     if "log" in args.only:
         none = med("ours, tracker=none", "steps_per_sec")
         with_trackers = med(tracked if tracked in runs else "ours", "steps_per_sec")
@@ -290,106 +241,56 @@ def bench_loops(args, overrides: list[str], work: Path, results: dict) -> None:
         results["trackers_steps_per_sec"] = with_trackers
 
 
-def bench_checkpoint(args, overrides: list[str], work: Path, results: dict) -> None:
-    """Our save/load against torch.save/torch.load of the same state, and the
-    time an async save blocks against a sync one, in this process."""
-    import torch
-    from accelerate import Accelerator
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
+def bench_ddp(args, overrides: list[str], work: Path, results: dict) -> None:
+    """2-process DDP: ``torchrun train.py parallel=ddp`` against a bare DDP loop."""
+    common = [
+        "parallel=ddp",
+        f"trainer.max_steps={args.steps}",
+        f"trainer.eval_every_n_steps={args.steps}",
+        "trainer.log_every_n_steps=10",
+        "preflight=off",
+    ]
+    config = compose([*overrides, *common])
+    runs = _alternate(args, {"ours, ddp": []}, [*overrides, *common], config, work, ddp=True)
+    ours = statistics.median(r["steps_per_sec"] for r in runs["ours, ddp"])
+    bare = statistics.median(r["steps_per_sec"] for r in runs["bare"])
+    results["ddp_loop_ratio"] = ours / bare
+    results["ddp_ours_steps_per_sec"], results["ddp_bare_steps_per_sec"] = ours, bare
 
-    from {{ cookiecutter.package_name }} import task
-    from {{ cookiecutter.package_name }}.checkpoint import CheckpointManager
-    from {{ cookiecutter.package_name }}.state import TrainState, rng_state
 
-    cfg = OmegaConf.create(compose(overrides))
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    model = instantiate(cfg.model)
-    optimizer = instantiate(cfg.optimizer)(model.parameters())
-    scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=100)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    batch = [t.to(accelerator.device) for t in next(iter(instantiate(cfg.data).train))]
-    task.loss(model=model, batch=batch).backward()
-    optimizer.step()  # the optimizer state exists
-    scheduler.step()
-
-    state = TrainState(model, optimizer, scheduler, train_loader=[], val_loader=[])
-
-    def manager(asynchronous: bool) -> CheckpointManager:
-        settings = {"enabled": True, "keep_last": 2, "save_on_signal": False}
-        return CheckpointManager(
-            checkpoint={**settings, "async": asynchronous},
-            config=OmegaConf.to_container(cfg, resolve=True),
-            run_dir=work / ("async" if asynchronous else "sync"),
-            accelerator=accelerator,
-            state=state,
-        )
-
-    sync, background = manager(False), manager(True)
-    raw_path = work / "raw.pt"
-    unwrapped = accelerator.unwrap_model(model)
-
-    def raw_state() -> dict:
-        return {
-            "model": unwrapped.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "rng": rng_state(),
-        }
-
-    def raw_save_fsync() -> None:
-        with open(raw_path, "wb") as f:
-            torch.save(raw_state(), f)
-            f.flush()
-            os.fsync(f.fileno())
-
-    def raw_load() -> None:
-        state = torch.load(raw_path, map_location="cpu", weights_only=True)
-        unwrapped.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-
-    step = iter(range(1, 10**6))
-    last: list[Path] = []
-
-    def our_save() -> None:
-        last.append(sync.save(next(step), 0, 0, ["bench"]))
-
-    def async_save() -> None:
-        background.save(next(step), 0, 0, ["bench"])  # returns once staged
-
-    steps = {
-        "raw save": lambda: torch.save(raw_state(), raw_path),
-        "our save": our_save,
-        "raw save+fsync": raw_save_fsync,
-        "raw load": raw_load,
-        "our load": lambda: sync.load(last[-1]),
-        "async save (blocking)": async_save,
-    }
-    groups = [["raw save", "our save", "async save (blocking)"], ["raw save+fsync"]]
-    groups.append(["raw load", "our load"])  # each loads what the round saved
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for round_ in range(args.repeats + 1):  # round 0 warms up and is dropped
-        for group in groups:
-            for name in group if round_ % 2 else reversed(group):
-                background.wait()  # the async save in flight is done before anything is timed
-                start = time.perf_counter()
-                steps[name]()
-                if round_:
-                    times[name].append(time.perf_counter() - start)
-    background.wait()
-    med = {name: statistics.median(values) for name, values in times.items()}
-    size = sum(p.stat().st_size for p in last[-1].iterdir()) / 2**20
-    params = sum(p.numel() for p in unwrapped.parameters())
-    print(f"  checkpoint of {params:,} parameters + optimizer state: {size:.1f} MB")
-    for name, value in med.items():
-        print(f"  {name:<24} {value * 1000:9.1f} ms")
-    results["save_ratio"] = med["our save"] / med["raw save"]
-    results["save_vs_fsync_ratio"] = med["our save"] / med["raw save+fsync"]
-    results["load_ratio"] = med["our load"] / med["raw load"]
-    results["async_block_ratio"] = med["async save (blocking)"] / med["our save"]
-    results["checkpoint_mb"] = size
-    results.update({f"{k.replace(' ', '_')}_ms": v * 1000 for k, v in med.items()})
+def bench_startup(args, work: Path, results: dict) -> None:
+    """The fixed costs of a start of ``python train.py`` (the defaults: the
+    example task) one by one in a fresh process, then its preflight there."""
+    costs: list[dict] = []
+    for round_ in range(args.repeats):
+        out, run_dir = work / f"startup-{round_}.json", work / f"preflight-{round_}"
+        spec = {"out": str(out), "overrides": [], "run_dir": str(run_dir)}
+        spec_path = out.with_suffix(".spec.json")
+        spec_path.write_text(json.dumps({**spec, "launched_at": time.time()}))
+        cmd = [sys.executable, str(CHILDREN), "startup", str(spec_path)]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        log_text = (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else ""
+        took = re.search(r"preflight \(([\d.]+) s\)", log_text)
+        if proc.returncode != 0 or took is None or not out.exists():
+            tail = (proc.stdout + proc.stderr)[-3000:]
+            raise SystemExit(f"bench: the start-up process failed:\n{tail}")
+        cost = json.loads(out.read_text())
+        cost["preflight (example task, defaults)"] = float(took.group(1))
+        eta = json.loads((run_dir / "preflight.json").read_text())["estimates"]["eta_s"]
+        cost["eta"] = eta or 0.0
+        costs.append(cost)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    fixed = {name: statistics.median(c[name] for c in costs) for name in costs[0]}
+    eta = fixed.pop("eta")
+    print("  fixed costs of a start of train.py with the defaults (median):")
+    for name, seconds in fixed.items():
+        print(f"    {name:<44} {seconds * 1000:8.0f} ms")
+    print(f"    {'total':<44} {sum(fixed.values()) * 1000:8.0f} ms")
+    preflight = fixed["preflight (example task, defaults)"]
+    allowed = max(1.0, 0.02 * eta)
+    print(f"  preflight {preflight:.2f} s; allowed max(1 s, 2 % of its ETA {eta:.0f} s)")
+    results["preflight_share"] = preflight / allowed
+    results["startup_costs_s"] = fixed
 
 
 # --- report -----------------------------------------------------------------------------------
@@ -411,14 +312,19 @@ def machine() -> dict:
     return info
 
 
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def report(results: dict) -> None:
-    print(f"\n{'figure':<20} {'value':>8}   goal")
-    for name, (op, goal) in GOALS.items():
+    print(f"\n{'figure':<20} {'value':>8}   {'goal':<8} {'':<8} baseline")
+    for name, (op, goal, baseline) in GOALS.items():
         if name not in results:
             continue
         value = results[name]
         met = value >= goal if op == ">=" else value <= goal
-        print(f"{name:<20} {value:8.3f}   {op} {goal}  {'met' if met else 'NOT MET'}")
+        verdict = "met" if met else "NOT MET"
+        print(f"{name:<20} {value:8.3f}   {op} {goal:<5} {verdict:<8} {baseline}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -426,7 +332,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 round (for CI)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--repeats", type=int, help="rounds (default 5; quick: 1)")
-    parser.add_argument("--steps", type=int, help="optimizer steps per run (200; quick: 20)")
+    parser.add_argument("--steps", type=int, help="optimizer steps per run (200; quick: 12)")
     parser.add_argument(
         "--only", default=",".join(PARTS), help=f"comma-separated parts of {','.join(PARTS)}"
     )
@@ -441,7 +347,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dir", type=Path, default=None, help="scratch space (default: ./)")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (1 if args.quick else 5)
-    args.steps = args.steps or (20 if args.quick else 200)
+    args.steps = args.steps or (12 if args.quick else 200)
     args.only = [p.strip() for p in args.only.split(",") if p.strip()]
     bad = [p for p in args.only if p not in PARTS]
     if bad:
@@ -450,7 +356,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         import importlib.util
 
         available = importlib.util.find_spec("tensorboard") is not None
-        wanted = ["csv"] + (["tensorboard"] if available else [])
+        wanted = ["csv"] + (["tensorboard"] if available and not args.quick else [])
         args.trackers = [t for t in wanted if (ROOT / f"configs/tracker/{t}.yaml").exists()]
     else:
         args.trackers = [t.strip() for t in args.trackers.split(",") if t.strip()]
@@ -458,10 +364,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None and len(sys.argv) == 4 and sys.argv[1] == "--child":
-        spec = json.loads(Path(sys.argv[3]).read_text())
-        {"train": _child_train, "bare": _child_bare}[sys.argv[2]](spec)
-        return 0
     args = parse_args(argv)
     import torch
 
@@ -470,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench_", dir=args.dir or ROOT))
     results: dict = {}
     print(f"workload: {' '.join(overrides) or '(defaults)'}; {args.repeats} round(s)")
+    print(f"load average before: {_load()} ({os.cpu_count()} CPUs)")
     try:
         if {"loop", "startup", "log"} & set(args.only):
             print(
@@ -477,19 +380,30 @@ def main(argv: list[str] | None = None) -> int:
             )
             (work / "loops").mkdir()
             bench_loops(args, overrides, work / "loops", results)
+        if "ddp" in args.only:
+            print(f"2-process DDP runs of {args.steps} steps:")
+            (work / "ddp").mkdir()
+            bench_ddp(args, overrides, work / "ddp", results)
+        if "startup" in args.only:
+            print("start-up:")
+            (work / "startup").mkdir()
+            bench_startup(args, work / "startup", results)
         if "checkpoint" in args.only:
             print("checkpoints:")
             size = [] if args.quick or args.overrides is not None else CHECKPOINT_SIZE[where]
             (work / "checkpoint").mkdir()
-            bench_checkpoint(args, [*overrides, *size], work / "checkpoint", results)
+            config = compose([*overrides, *size])
+            bench_checkpoint(args, config, work / "checkpoint", results)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report(results)
+    print(f"load average after: {_load()}")
     if args.json:
         payload = {
             "figures": {k: results[k] for k in GOALS if k in results},
             "details": {k: v for k, v in results.items() if k not in GOALS},
-            "goals": {k: f"{op} {goal}" for k, (op, goal) in GOALS.items()},
+            "goals": {k: f"{op} {goal}" for k, (op, goal, _) in GOALS.items()},
+            "baselines": {k: baseline for k, (_, _, baseline) in GOALS.items()},
             "settings": {
                 "quick": args.quick,
                 "repeats": args.repeats,

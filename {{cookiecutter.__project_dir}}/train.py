@@ -129,8 +129,13 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     )
     # SIGTERM/SIGUSR1/SIGUSR2/Ctrl-C: save at the next step boundary, then exit (checkpoints on)
     ck = cfg.checkpoint
+    # Under DDP the ranks agree on a signal in the guard's all-reduces: at log steps
+    # (on_nan=stop) or every step (on_nan=skip), never in an all-reduce of its own per step.
     signals = StopSignals(
-        accelerator=accelerator, enabled=ck.enabled and ck.get("save_on_signal", True)
+        accelerator=accelerator,
+        enabled=ck.enabled and ck.get("save_on_signal", True),
+        guard=guard,
+        every_n_steps=cfg.trainer.log_every_n_steps,
     )
     ckpt = CheckpointManager(
         checkpoint=cfg.checkpoint,
@@ -165,12 +170,13 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
         return None
 
     # --- the loop ----------------------------------------------------------------------
-    progress = Progress(total_steps, initial_step=step)
+    progress = Progress(total_steps, initial_step=step, clock=clock)  # rates: training time
     eval_every = cfg.trainer.eval_every_n_steps or steps_per_epoch
     log_every, clip_norm = cfg.trainer.log_every_n_steps, cfg.trainer.grad_clip_norm  # read once
     loss_sum = torch.zeros((), device=accelerator.device)  # summed on device: no sync per step
     loss_count = 0
     grad_norm = torch.zeros(())
+    data = None  # the latest batch (its size counts the summary's samples and tokens)
     stop = False  # a stop signal reached some rank (signals.poll_stop, once per step)
     clock.start()
     debug.start()
@@ -211,6 +217,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
                         samples=samples * accumulated,
                         tokens=None if tokens is None else tokens * accumulated,
                     ),
+                    **clock.metrics(),  # perf/eval_s, perf/ckpt_blocking_s: not in the rates
                 }
                 loss_sum.zero_()
                 loss_count = 0
@@ -220,35 +227,44 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
                 guard.check(step)  # on_nan=stop: raise, naming the first bad step
 
             if step % eval_every == 0 or step == total_steps:
-                metrics = task.evaluate(model=model, loader=val_loader, accelerator=accelerator)
-                metrics |= ema.evaluate(loader=val_loader, accelerator=accelerator)
+                with clock.excluded("eval"):
+                    metrics = task.evaluate(model=model, loader=val_loader, accelerator=accelerator)
+                    metrics |= ema.evaluate(loader=val_loader, accelerator=accelerator)
                 book.update(metrics, step, require_monitor=True)
                 accelerator.log(metrics, step=step)
                 progress.report(step, metrics)
                 stopper.observe(metrics, step)  # trainer.early_stopping: patience runs out?
 
-            stop = signals.poll_stop(step)  # every rank, once per step: a collective
+            stop = signals.poll_stop(step)  # every rank, every step (agreed at most once a step)
             # every N steps/epochs, a new best, after a stop signal
-            ckpt.maybe_save(
-                step, epoch, batch, metrics=book.last, fresh=book.fresh(step), stop=stop
-            )
+            with clock.excluded("ckpt_blocking"):
+                ckpt.maybe_save(
+                    step, epoch, batch, metrics=book.last, fresh=book.fresh(step), stop=stop
+                )
             trial.report_and_check(step, book)  # Optuna pruning: raises TrialPruned (saved first)
             if step == total_steps or stop or stopper.stopped:
                 break
     debug.finish()
     progress.close()
     guard.check(step)
-    ckpt.finish(metrics=book.last, stop=signals.stopped)  # the last checkpoint
+    stop = signals.poll_stop(step, final=True)  # every rank agrees on how the loop ended
+    with clock.excluded("ckpt_blocking"):
+        ckpt.finish(metrics=book.last, stop=stop)  # the last checkpoint
     signals.finish(saved=ckpt.last_saved)  # after a stop signal: exit (SLURM: requeue)
 
     # --- summary and final weights -----------------------------------------------------
     wall = clock.elapsed()
+    samples, tokens = task.batch_size(batch=data) if data is not None else (0, None)
     summary = {
         "step": step,
         "epoch": epoch + 1,
         "world_size": accelerator.num_processes,
-        "wall_time_s": round(wall, 3),  # training time of the whole run (every attempt)
-        "steps_per_sec": round(step / wall, 3) if wall > 0 else 0.0,
+        "wall_time_s": round(wall, 3),  # the whole run's loop (every attempt), all included
+        "steps_per_sec": round(step / wall, 3) if wall > 0 else 0.0,  # over wall_time_s
+        # the same run's rates over training time only, and what was left out
+        "rates": throughput.summary(
+            step, wall, clock.excluded_s, samples, tokens, cfg.trainer.grad_accum_steps
+        ),
         "metrics": book.last,
         "best": book.best(),
         "resumed_from": ckpt.resumed_from,  # null for a fresh start

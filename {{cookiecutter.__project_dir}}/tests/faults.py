@@ -29,6 +29,20 @@ class Slow(MLP):
         return super().forward(x)
 
 
+class NanOnRank1(MLP):
+    """The loss of rank 1 only is NaN in its 3rd and 4th forward passes (steps 3
+    and 4); rank 0's stays finite: the ranks must still decide alike."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        NanOnRank1.calls += 1
+        out = super().forward(x)
+        if os.environ.get("RANK") == "1" and NanOnRank1.calls in (3, 4):
+            return out * float("nan")
+        return out
+
+
 class ForgetsWeightsOnLoad(MLP):
     """``load_state_dict`` keeps the current weights: a checkpoint of it saves
     fine but does not restore (preflight's round trip must report it)."""

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from safetensors.torch import load_file
 
 from {{ cookiecutter.package_name }}.checkpoint import (
@@ -162,7 +163,8 @@ def test_layout_manifest_pointers_and_pruning(reference):
     }
     for name, entry in manifest["files"].items():
         data = (ckpt / name).read_bytes()
-        assert entry == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        assert entry == {"xxh3_128": xxhash.xxh3_128(data).hexdigest(), "size": len(data)}
+    assert manifest["hash"] == "xxh3_128"
 
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert (state["step"], state["epoch"], state["batch"]) == (77, 3, 8)
@@ -312,12 +314,12 @@ def test_corrupted_checkpoints_are_skipped_with_a_warning(reference, tmp_path):
     data[len(data) // 2] ^= 0x01
     flipped.write_bytes(bytes(data))
     assert "truncated" in verify_checkpoint(truncated.parent)
-    assert "sha256 does not match" in verify_checkpoint(flipped.parent)
+    assert "xxh3_128 does not match" in verify_checkpoint(flipped.parent)
     assert verify_checkpoint(ckpt_dir(run, 70)) is None
 
     resumed = run_train(run, *ARGS)
     assert f"{truncated}: 100 bytes" in resumed.output
-    assert f"{flipped}: sha256 does not match" in resumed.output
+    assert f"{flipped}: xxh3_128 does not match" in resumed.output
     assert resumed.summary["resumed_from"] == str(ckpt_dir(run, 70))
     assert_same_weights(run, reference(0))
     # The bad ones were set aside (not deleted), then 77 and 80 saved again, valid.

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from accelerate import Accelerator
 
 from {{ cookiecutter.package_name }}.checkpoint import CheckpointManager
@@ -52,6 +53,40 @@ def test_manifest_commit_and_verify(tmp_path):
     assert "sha256 does not match" in fmt.verify_checkpoint(other)
     (other / fmt.MANIFEST).unlink()
     assert "missing (an incomplete checkpoint)" in fmt.verify_checkpoint(other)
+
+
+def test_xxh3_manifests_verify_catch_a_flipped_byte_and_sha256_ones_still_load(tmp_path):
+    state = {"w": torch.arange(1000, dtype=torch.float32)}
+    files = {name: f"{name}".encode() for name in fmt.REQUIRED_FILES}
+    files["optimizer.pt"] = bytes(fmt.torch_bytes(state))
+    files["trainer_state.json"] = b'{"step": 3}'
+    new = fake_checkpoint(tmp_path / "new", 3, files)
+    entries = {n: fmt.file_entry(d) for n, d in files.items()}  # the current hash
+    manifest = json.loads((new / fmt.MANIFEST).read_text())
+    (new / fmt.MANIFEST).write_text(json.dumps({**manifest, "files": entries}))
+    assert entries["optimizer.pt"] == {
+        "xxh3_128": xxhash.xxh3_128(files["optimizer.pt"]).hexdigest(),
+        "size": len(files["optimizer.pt"]),
+    }
+    old = fake_checkpoint(tmp_path / "old", 3, files)  # sha256 entries, as before issue 18
+    assert "sha256" in fmt.read_manifest(old)["files"]["optimizer.pt"]
+    for ckpt in (new, old):  # read once, hashed and parsed from the same bytes
+        assert fmt.verify_checkpoint(ckpt) is None
+        loaded = fmt.verify_files(ckpt, ["optimizer.pt", "trainer_state.json"], fmt.parse_file)
+        assert torch.equal(loaded["optimizer.pt"]["w"], state["w"])
+        assert loaded["trainer_state.json"] == {"step": 3}
+    for ckpt, algorithm in ((new, "xxh3_128"), (old, "sha256")):
+        data = bytearray((ckpt / "optimizer.pt").read_bytes())
+        data[len(data) // 2] ^= 0x04  # one bit of one tensor value
+        (ckpt / "optimizer.pt").write_bytes(bytes(data))
+        message = f"{ckpt / 'optimizer.pt'}: {algorithm} does not match the manifest"
+        assert message in fmt.verify_checkpoint(ckpt)
+        with pytest.raises(fmt.CheckpointError, match=algorithm):
+            fmt.verify_files(ckpt, ["optimizer.pt"], fmt.parse_file)
+    entries["scheduler.pt"] = {"md5": "00", "size": 1}
+    (new / fmt.MANIFEST).write_text(json.dumps({**manifest, "files": entries}))
+    with pytest.raises(fmt.CheckpointError, match="one checksum of xxh3_128, sha256"):
+        fmt.read_manifest(new)
 
 
 def test_find_checkpoints_names_one_or_all(tmp_path):

@@ -4,6 +4,8 @@ launch, multirun, two nodes, failures, no orphans."""
 import csv
 import importlib.util
 import json
+import os
+import re
 import signal
 import socket
 import subprocess
@@ -332,3 +334,67 @@ def test_resume_after_the_launcher_is_killed_or_stopped_is_bit_exact(tmp_path, m
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["resumed_from"] and summary["step"] == 60
         assert fingerprints(run_dir) == {"train.log": expected, "train_rank1.log": expected}
+
+
+def _workers(launcher: subprocess.Popen) -> list[int]:
+    """The pids of the worker processes the launcher spawned (multiprocessing spawn)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent == launcher.pid and b"spawn_main" in cmdline:
+            found.append(int(proc.name))
+    return sorted(found)
+
+
+def test_lean_ddp_step_skip_in_lockstep_and_a_signal_to_one_rank_stops_at_a_log_step(tmp_path):
+    """Issue 18: no collective of its own per step. on_nan=skip: a NaN on rank 1
+    only drops the update on both ranks (one all-reduce decides, and carries the
+    stop flag). on_nan=stop: a SIGTERM reaching one worker only is agreed on at
+    the next log step (every 5 here), where every rank saves and exits 143."""
+    skip = tmp_path / "skip"
+    args = ["parallel=ddp", "preflight=off", "tracker=none", "trainer.log_every_n_steps=5"]
+    ok(
+        run(
+            tmp_path,
+            *args,
+            "model._target_=tests.faults.NanOnRank1",
+            "trainer.on_nan=skip",
+            "trainer.max_steps=10",
+            f"hydra.run.dir={skip}",
+        )
+    )
+    assert json.loads((skip / "summary.json").read_text())["skipped_nan_steps"] == 2
+    assert_two_rank_run(skip)  # the same weights on both ranks: the same decisions
+
+    stopped = tmp_path / "stopped"
+    launcher = start(
+        tmp_path,
+        *args,
+        "model._target_=tests.faults.Slow",
+        "trainer.max_steps=400",
+        "checkpoint.every_n_steps=1000",
+        f"hydra.run.dir={stopped}",
+    )
+    log_file = stopped / "train.log"
+    deadline = time.monotonic() + 120
+    while "step 10/400" not in (log_file.read_text() if log_file.exists() else ""):
+        assert time.monotonic() < deadline and launcher.poll() is None
+        time.sleep(0.05)
+    logged = [int(m) for m in re.findall(r"step (\d+)/400", log_file.read_text())]
+    workers = _workers(launcher)
+    assert len(workers) == 2, workers
+    os.kill(workers[1], signal.SIGTERM)  # one rank only
+    assert launcher.wait(timeout=120) == 143
+    latest = json.loads((stopped / "checkpoints" / "latest.json").read_text())["path"]
+    manifest = json.loads((stopped / "checkpoints" / latest / "MANIFEST.json").read_text())
+    assert manifest["reasons"] == ["signal"] and manifest["step"] % 5 == 0
+    # Signalled at step >= the last logged one: stopped within 5 steps of it, or 10
+    # when the signal landed just after a log step's agreement.
+    assert max(logged) < manifest["step"] <= max(logged) + 10, (logged, manifest["step"])

@@ -5,6 +5,7 @@ are printed, never judged: timings on shared CI machines mean nothing)."""
 import csv
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -248,6 +249,9 @@ def test_new_config_values_are_checked(compose_cfg):
     check_config(resolve_config(compose_cfg(*TINY_GPT, ASYNC, "trainer.compile=true")))
 
 
+GOAL_LINE = re.compile(r"[<>]= [\d.]+ +(met|NOT MET) ")
+
+
 @pytest.mark.multiprocess
 def test_bench_quick_mode_reports_every_figure(tmp_path):
     out = tmp_path / "bench.json"
@@ -264,16 +268,24 @@ def test_bench_quick_mode_reports_every_figure(tmp_path):
     figures = report["figures"]
     assert set(figures) == {
         "loop_ratio",
+        "ddp_loop_ratio",
         "first_step_ratio",
+        "process_ratio",
+        "preflight_share",
         "save_ratio",
         "load_ratio",
         "async_block_ratio",
         "log_overhead",
     }
+    assert set(report["baselines"]) == set(figures) and all(report["baselines"].values())
+    costs = report["details"]["startup_costs_s"]  # --only startup's list of fixed costs
+    assert {"import torch", "preflight (example task, defaults)"} <= set(costs)
+    assert all(v >= 0 for v in costs.values())
     assert all(math.isfinite(v) for v in figures.values())
     assert all(figures[k] > 0 for k in figures if k != "log_overhead")  # ratios of timings
     assert report["settings"]["quick"] is True and "csv" in report["settings"]["trackers"]
     assert report["machine"]["torch"] == torch.__version__
-    for name in figures:
-        assert name in proc.stdout
+    for name in figures:  # each with its goal, met or NOT MET, and its baseline
+        line = next(x for x in proc.stdout.splitlines() if x.startswith(name + " "))
+        assert GOAL_LINE.search(line) and report["baselines"][name] in line, line
     assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]  # scratch files removed

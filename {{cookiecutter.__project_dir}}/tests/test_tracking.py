@@ -35,6 +35,8 @@ LOGGED = {
     "train/epoch",
     "perf/steps_per_sec",
     "perf/samples_per_sec",
+    "perf/eval_s",
+    "perf/ckpt_blocking_s",
 }
 EVALUATED = {"val/loss", "val/acc"}
 

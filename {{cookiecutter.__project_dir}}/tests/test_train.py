@@ -52,6 +52,7 @@ def test_smoke_run_writes_the_run_directory(train_run, compose_cfg):
         "world_size",
         "wall_time_s",
         "steps_per_sec",
+        "rates",
         "metrics",
         "best",
         "resumed_from",
@@ -61,6 +62,17 @@ def test_smoke_run_writes_the_run_directory(train_run, compose_cfg):
     assert s["step"] == 30 and s["world_size"] == world
     assert s["epoch"] == math.ceil(30 / steps_per_epoch)  # 2 epochs of 23 steps in one process
     assert s["wall_time_s"] > 0 and s["steps_per_sec"] > 0
+    # Whole run and training only, labelled; evaluation and saves are left out of the latter.
+    rates = s["rates"]
+    assert rates["whole_run"]["seconds"] == s["wall_time_s"]
+    assert rates["whole_run"]["steps_per_sec"] == s["steps_per_sec"]
+    assert rates["eval_s"] > 0 and rates["ckpt_blocking_s"] > 0
+    left = rates["whole_run"]["seconds"] - rates["eval_s"] - rates["ckpt_blocking_s"]
+    assert rates["training_only"]["seconds"] == pytest.approx(left, abs=0.002)
+    assert rates["training_only"]["steps_per_sec"] == pytest.approx(30 / left, rel=1e-3)
+    assert rates["training_only"]["samples_per_sec"] == pytest.approx(
+        rates["training_only"]["steps_per_sec"] * 64, rel=1e-3
+    )
     assert {
         "train/loss",
         "train/lr",

@@ -3,12 +3,14 @@
 - ``stop`` (default): the run stops with exit code 3 and a message naming the
   first optimizer step whose loss was not finite. No checkpoint is written after
   that step, so the newest checkpoint is the last good one. Detection costs no
-  host sync per step: a flag is kept on the device and read at log steps, before
-  every checkpoint save and at the end.
+  host sync and no collective per step: each rank keeps its flag on the device;
+  ``check`` (log steps, before every checkpoint save, the end) reads it, under
+  several processes in one all-reduce that also carries the stop signal.
 - ``skip``: an optimizer step whose loss was not finite is dropped (its
   gradients are zeroed, the optimizer does not step) and counted. Deciding to
   drop needs the flag on the host, so this mode reads it once per optimizer step
-  (not per micro-batch), as a GradScaler does.
+  (not per micro-batch), as a GradScaler does; under several processes that is
+  the step's one all-reduce, and the stop signal rides along (preemption.py).
 
 The count of skipped steps is saved in checkpoints (``trainer_state.json``) and
 reported in ``summary.json`` as ``skipped_nan_steps``. README: "Checkpoints and resuming".
@@ -42,21 +44,27 @@ class LossGuard:
         self._all_ok = torch.ones((), dtype=torch.bool, device=device)  # since the last check
         self._ok_steps = torch.zeros((), dtype=torch.int64, device=device)
         self._checked_step = 0
+        # The stop signal rides along this guard's all-reduces (StopSignals sets
+        # ``signal``): ``peer_signal`` is the largest any rank had at ``agreed_step``.
+        self.signal: Any = lambda: 0
+        self.peer_signal = 0
+        self.agreed_step: int | None = None  # the step of the last check's all-reduce
 
     def observe(self, loss: torch.Tensor) -> None:
         """Every micro-batch; stays on the device."""
         self._step_ok &= torch.isfinite(loss.detach()).all()
 
     def agree_on_update(self) -> bool:
-        """At each optimizer step, on every rank (a collective under several
-        processes: one all-reduce, so all ranks take the same decision): True
-        when the update may be applied, False when it must be dropped (skip mode)."""
+        """At each optimizer step, on every rank: True when the update may be
+        applied, False when it must be dropped (skip mode). Skip mode under
+        several processes: one all-reduce (the NaN flags and the stop signal), so
+        all ranks take the same decision. Stop mode: no collective, no host sync."""
         ok, self._step_ok = self._step_ok, torch.ones_like(self._step_ok)
-        if self.accelerator.num_processes > 1:
-            ok = (
-                self.accelerator.reduce(ok.to(torch.int32), "sum") == self.accelerator.num_processes
-            )
         if self.mode == "skip":
+            if self.accelerator.num_processes > 1:
+                flags = torch.stack([(~ok).to(torch.int64), self._signal_tensor()])
+                bad, self.peer_signal = self.accelerator.reduce(flags, "max").tolist()
+                ok = not bad
             if not bool(ok):  # one host sync per optimizer step
                 self.skipped += 1
                 if self.skipped <= 10 or self.skipped % 100 == 0:
@@ -71,16 +79,30 @@ class LossGuard:
         return True
 
     def check(self, step: int) -> None:
-        """Raise NonFiniteLoss naming the first bad step (stop mode); one host sync."""
-        if self.mode == "stop" and not bool(self._all_ok):
-            bad = self._checked_step + int(self._ok_steps) + 1
+        """Raise NonFiniteLoss naming the first bad step (stop mode); one host
+        sync. Under several processes a collective (every rank calls it at the
+        same step): one all-reduce agrees on the first bad step of any rank and
+        carries the stop signal (``peer_signal``)."""
+        bad, ok_steps = ~self._all_ok, self._ok_steps
+        if self.mode == "stop" and self.accelerator.num_processes > 1:
+            # max of -(good steps) over the ranks that saw a bad one: its first bad step
+            first = torch.where(bad, -ok_steps, torch.full_like(ok_steps, -(2**62)))
+            flags = torch.stack([bad.to(torch.int64), first, self._signal_tensor()])
+            any_bad, first_neg, self.peer_signal = self.accelerator.reduce(flags, "max").tolist()
+            self.agreed_step = step
+            bad, ok_steps = any_bad, -first_neg
+        if self.mode == "stop" and bool(bad):
+            first_bad = self._checked_step + int(ok_steps) + 1
             raise NonFiniteLoss(
-                f"the training loss was not finite (NaN/inf) at step {bad}; stopping "
+                f"the training loss was not finite (NaN/inf) at step {first_bad}; stopping "
                 "(trainer.on_nan=stop). The newest checkpoint is from before that step. "
                 "Lower optimizer.lr, enable trainer.grad_clip_norm, or set trainer.on_nan=skip."
             )
         self._checked_step = step
         self._ok_steps.zero_()
+
+    def _signal_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.signal(), dtype=torch.int64).to(self.accelerator.device)
 
     def state_dict(self) -> dict[str, Any]:
         return {"skipped_nan_steps": self.skipped, "checked_step": self._checked_step}

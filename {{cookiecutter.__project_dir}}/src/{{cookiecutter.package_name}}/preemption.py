@@ -4,6 +4,13 @@ handler installed before ours (submitit's requeue), and the exit codes.
 SIGTERM, SIGUSR1, SIGUSR2 and Ctrl-C set a flag; at the next step boundary the
 run saves a checkpoint and exits with 128 + signal number (143, 138, 140, 130).
 A second Ctrl-C stops at once. README: "Checkpoints and resuming".
+
+One process: the flag is read at every step boundary. Several: a signal may
+reach one rank only, so the ranks agree in an all-reduce, and never one of its
+own per step: with ``trainer.on_nan=skip`` the flag rides along the step's NaN
+all-reduce (every step); with ``on_nan=stop`` it rides along the loss guard's
+check at log steps (every ``every_n_steps``, ``trainer.log_every_n_steps``),
+so a stop takes effect at most ``every_n_steps - 1`` steps after the signal.
 """
 
 import contextlib
@@ -33,10 +40,16 @@ class StopSignals:
     """Catches the stop signals (when ``enabled``: ``checkpoint.save_on_signal``
     with checkpoints on) from construction until ``finish``."""
 
-    def __init__(self, *, accelerator: Any, enabled: bool) -> None:
+    def __init__(
+        self, *, accelerator: Any, enabled: bool, guard: Any = None, every_n_steps: int = 1
+    ) -> None:
         self.accelerator = accelerator
         self.enabled = enabled
         self.signum: int | None = None  # the first signal seen (any rank, once polled)
+        self.every_n_steps = every_n_steps
+        self.guard = guard  # a LossGuard whose all-reduces carry the flag
+        if guard is not None:
+            guard.signal = lambda: self.signum or 0
         self._old_handlers: dict[int, Any] = {}
         if enabled:
             for signum in EXIT_SIGNAL:
@@ -49,16 +62,25 @@ class StopSignals:
         elif signum == signal.SIGINT:  # a second Ctrl-C: stop now, without saving
             signal.default_int_handler(signum, frame)
 
-    def poll_stop(self, step: int) -> bool:
+    def poll_stop(self, step: int, *, final: bool = False) -> bool:
         """Should the run stop at this step boundary? True once a stop signal
-        reached any rank. A collective under several processes (one all-reduce):
-        every rank calls it once per step, at the same place in the loop."""
+        reached any rank. Under several processes every rank calls it once per
+        step, at the same place in the loop; the ranks agree at most once per
+        step (module docstring): from the guard's all-reduce of this step, or,
+        every ``every_n_steps`` steps without one (and when ``final``: after the
+        loop, so that every rank agrees on how it ended), an all-reduce of its own."""
         if not self.enabled:
             return False  # no handlers on any rank: a signal stops the process itself
         if self.accelerator.num_processes == 1:
             return self.signum is not None
-        flag = torch.tensor([self.signum or 0], device=self.accelerator.device)
-        flag = int(self.accelerator.reduce(flag, "max"))  # a signal may reach one rank only
+        guard = self.guard
+        if not final and guard is not None and (guard.mode == "skip" or guard.agreed_step == step):
+            flag = guard.peer_signal  # agreed in this step's NaN all-reduce
+        elif final or step % self.every_n_steps == 0:
+            flag = torch.tensor([self.signum or 0], device=self.accelerator.device)
+            flag = int(self.accelerator.reduce(flag, "max"))  # a signal may reach one rank only
+        else:
+            return False  # agreed on only every every_n_steps steps: the same on every rank
         if flag and self.signum is None:
             self.signum = flag
         return bool(flag)

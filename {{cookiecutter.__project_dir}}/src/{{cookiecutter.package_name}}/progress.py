@@ -1,7 +1,15 @@
 """Progress on the main process: a tqdm bar on a terminal, plain log lines
-otherwise (files, CI, SLURM logs). Both show steps/s, samples/s, MFU (when
-the model declares its FLOPs, see ``throughput.py``) and the ETA."""
+otherwise (files, CI, SLURM logs). Both show steps/s, samples/s, tokens/s (token
+tasks), MFU (when the model declares its FLOPs, see ``throughput.py``) and the
+ETA. And the run's clock, which keeps evaluation and checkpoint time apart.
 
+Every rate is over the same window (the log steps since the previous one) and
+training time only: time in ``RunClock.excluded`` blocks (evaluation, the part
+of a checkpoint save that blocks training) is left out and reported on its
+own, as ``perf/eval_s`` and ``perf/ckpt_blocking_s`` (seconds, whole run).
+README: "Performance"."""
+
+import contextlib
 import datetime
 import logging
 import sys
@@ -15,8 +23,9 @@ log = logging.getLogger(__name__)
 
 
 class Progress:
-    def __init__(self, total_steps: int, initial_step: int = 0) -> None:
+    def __init__(self, total_steps: int, initial_step: int = 0, clock: "RunClock | None" = None):
         self.total = total_steps
+        self.clock = clock or RunClock()
         main = PartialState().is_main_process
         self.log_lines = main
         self.bar = tqdm(
@@ -26,38 +35,43 @@ class Progress:
             dynamic_ncols=True,
             disable=not (main and sys.stderr.isatty()),
         )
-        self._start = self._mark = time.perf_counter()
+        self._start = self._mark = self.clock.training_s()
         self._start_step = self._mark_step = initial_step
+        self._wall_start = time.perf_counter()
 
     def advance(self) -> None:
         self.bar.update(1)
 
     def window_rate(self, step: int) -> float:
-        """Steps per second since the previous call (or since the start)."""
-        now = time.perf_counter()
+        """Steps per second of training time since the previous call (or the start)."""
+        now = self.clock.training_s()
         rate = (step - self._mark_step) / max(now - self._mark, 1e-9)
         self._mark, self._mark_step = now, step
         return rate
 
-    def overall_rate(self, step: int) -> float:
-        return (step - self._start_step) / max(time.perf_counter() - self._start, 1e-9)
-
     def report(self, step: int, metrics: dict[str, float]) -> None:
-        """Show ``metrics`` on the bar, and as a log line (file and non-TTY console)."""
-        rate = self.overall_rate(step)
-        eta = datetime.timedelta(seconds=round((self.total - step) / rate)) if rate > 0 else "?"
+        """Show ``metrics`` on the bar, and as a log line (file and non-TTY console).
+        The rates shown are the ``perf/*`` of the log step (one window); the ETA
+        uses the attempt's wall time so far (evaluations and saves included)."""
+        done = step - self._start_step
+        wall = time.perf_counter() - self._wall_start
+        left = (self.total - step) * wall / done if done > 0 else None
+        eta = datetime.timedelta(seconds=round(left)) if left is not None else "?"
         shown = {k: f"{v:.4g}" for k, v in metrics.items() if not k.startswith("perf/")}
+        rates = []  # one window, training time only (module docstring)
         if "perf/samples_per_sec" in metrics:
-            shown["samples/s"] = f"{metrics['perf/samples_per_sec']:.0f}"
+            rates.append(f"{metrics['perf/samples_per_sec']:.0f} samples/s")
+        if "perf/tokens_per_sec" in metrics:
+            rates.append(f"{metrics['perf/tokens_per_sec']:.0f} tokens/s")
         if "perf/mfu" in metrics:
-            shown["mfu"] = f"{metrics['perf/mfu']:.1%}"
+            rates.append(f"mfu {metrics['perf/mfu']:.1%}")
+        if "perf/steps_per_sec" in metrics:
+            rates.append(f"{metrics['perf/steps_per_sec']:.1f} steps/s")
         self.bar.set_postfix(shown, refresh=False)
         if self.log_lines:
-            fields = " | ".join(
-                f"{v} {k}" if k == "samples/s" else f"{k} {v}" for k, v in shown.items()
-            )
+            fields = " | ".join([*(f"{k} {v}" for k, v in shown.items()), *rates])
             with logging_redirect_tqdm():  # print above the bar, not through it
-                log.info(f"step {step}/{self.total} | {fields} | {rate:.1f} steps/s | eta {eta}")
+                log.info(f"step {step}/{self.total} | {fields} | eta {eta}")
 
     def close(self) -> None:
         self.bar.close()
@@ -69,19 +83,42 @@ class RunClock:
     attempt. It runs from ``start()`` (the loop); time spent after the last
     checkpoint of an interrupted attempt is redone by the next one, and counted there."""
 
+    KINDS = ("eval", "ckpt_blocking")
+
     def __init__(self) -> None:
         self.before = 0.0  # seconds trained by earlier attempts
         self._started: float | None = None
+        self.excluded_s = dict.fromkeys(self.KINDS, 0.0)  # whole run, across resumes
 
     def start(self) -> None:
         self._started = time.perf_counter()
 
     def elapsed(self) -> float:
+        """Wall time of the whole run (every attempt, from the loop's start)."""
         running = time.perf_counter() - self._started if self._started is not None else 0.0
         return self.before + running
 
+    def training_s(self) -> float:
+        """``elapsed`` without the time in ``excluded`` blocks."""
+        return self.elapsed() - sum(self.excluded_s.values())
+
+    @contextlib.contextmanager
+    def excluded(self, kind: str):
+        """Time spent in this block is not training time: counted under ``kind``."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.excluded_s[kind] += time.perf_counter() - started
+
+    def metrics(self) -> dict[str, float]:
+        """``perf/eval_s`` and ``perf/ckpt_blocking_s``: seconds so far, whole run."""
+        return {f"perf/{kind}_s": value for kind, value in self.excluded_s.items()}
+
     def state_dict(self) -> dict[str, float]:
-        return {"train_s": self.elapsed()}
+        return {"train_s": self.elapsed(), **{f"{k}_s": v for k, v in self.excluded_s.items()}}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.before = float(state["train_s"])
+        for kind in self.KINDS:  # absent in checkpoints from before issue 18
+            self.excluded_s[kind] = float(state.get(f"{kind}_s", 0.0))

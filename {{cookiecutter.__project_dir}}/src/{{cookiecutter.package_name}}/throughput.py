@@ -1,5 +1,6 @@
-"""Throughput: samples/s, tokens/s and MFU, one code path for the log lines and
-preflight's estimate; and the one table of devices' peak FLOPs (README: "Performance").
+"""Throughput: samples/s, tokens/s and MFU, one code path for the log lines,
+preflight's estimate and summary.json's ``rates``; and the one table of devices'
+peak FLOPs (README: "Performance").
 
 MFU = training FLOPs/s achieved / the devices' peak. A model declares its cost:
 ``flops_per_token()`` (sequence models) or ``flops_per_sample()`` (forward +
@@ -109,6 +110,35 @@ class Throughput:
         if flops is not None and self.peak:
             out["perf/mfu"] = flops / (self.peak * self.processes)
         return out
+
+    def summary(
+        self,
+        steps: int,
+        wall_s: float,
+        excluded_s: dict[str, float],
+        samples: int,
+        tokens: int | None,
+        accumulated: int = 1,
+    ) -> dict[str, Any]:
+        """summary.json's ``rates``: the run's rates over its whole wall time
+        (``whole_run``) and over training time only (``training_only``: without
+        the seconds in ``excluded_s``, e.g. evaluation and blocking saves, which
+        are listed too). ``samples``/``tokens``: of one micro-batch on one process."""
+        training_s = wall_s - sum(excluded_s.values())
+
+        def rates(seconds: float) -> dict[str, float]:
+            per_sec = steps / seconds if seconds > 0 else 0.0
+            counted = self.metrics(
+                per_sec,
+                samples=samples * accumulated,
+                tokens=None if tokens is None else tokens * accumulated,
+            )
+            out = {"seconds": round(seconds, 3), "steps_per_sec": round(per_sec, 3)}
+            digits = {"perf/mfu": 6}  # a fraction; the others are counts per second
+            return out | {k[5:]: round(v, digits.get(k, 1)) for k, v in counted.items()}
+
+        excluded = {f"{kind}_s": round(value, 3) for kind, value in excluded_s.items()}
+        return {"whole_run": rates(wall_s), "training_only": rates(training_s), **excluded}
 
 
 def _declared(model: Any, name: str) -> float | None:

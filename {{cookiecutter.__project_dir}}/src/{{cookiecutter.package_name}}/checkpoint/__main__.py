@@ -1,7 +1,7 @@
 """``python -m {{ cookiecutter.package_name }}.checkpoint list|verify|export PATH``: inspect checkpoints.
 
     list   RUN_DIR|CHECKPOINTS_DIR|CHECKPOINT   step, epoch, size, validity, metrics
-    verify PATH                                 every file's size and sha256; exit 1 if invalid
+    verify PATH                                 every file's size and checksum; exit 1 if invalid
     export PATH [-o model.safetensors]          the newest valid checkpoint's weights
 
 README: "Checkpoints and resuming".
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for command, text in [
         ("list", "step, epoch, size, validity and metrics of each checkpoint"),
-        ("verify", "check every file's size and sha256 (exit 1 if any checkpoint is invalid)"),
+        ("verify", "check every file's size and checksum (exit 1 if any checkpoint is invalid)"),
         ("export", "write the newest valid checkpoint's weights as one model.safetensors"),
     ]:
         p = sub.add_parser(command, help=text)

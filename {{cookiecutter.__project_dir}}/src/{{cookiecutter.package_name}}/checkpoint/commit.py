@@ -66,7 +66,7 @@ def write_and_commit(
                 async_save.wait_for_files(rank_files, timeout_s)
             for path in rank_files:  # other ranks fsynced their own file
                 data = path.read_bytes()
-                files[path.name] = {"sha256": fmt.sha256(data), "size": len(data)}
+                files[path.name] = fmt.file_entry(data)
             fmt.commit(job.tmp, job.final, job.manifest, files)
             fmt.write_pointers(job.root, job.step, job.new_best)
     except OSError as err:

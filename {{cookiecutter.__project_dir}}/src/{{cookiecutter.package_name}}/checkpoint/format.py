@@ -1,18 +1,20 @@
-"""The checkpoint on disk: layout, manifest, the hashing writer, the commit and
-pruning steps, verification and safe loading. No accelerator: unit-testable.
+"""The checkpoint on disk: layout, manifest, the commit and pruning steps,
+verification and safe loading (each file read once; checksums in checksums.py).
+No accelerator: unit-testable.
 
 ``step_0000500/`` holds ``model.safetensors``, ``optimizer.pt``, ``scheduler.pt``
 (``scaler.pt``), ``rng_rank{r}.pt``, ``trainer_state.json``, ``config.json`` and,
-written last, ``MANIFEST.json`` (sha256 and size of every file). Nothing is
-unpickled beyond ``torch.load(weights_only=True)``. README: "Checkpoints and resuming".
+written last, ``MANIFEST.json`` (checksum and size of every file, checksums.py).
+Nothing is unpickled beyond ``torch.load(weights_only=True)``. README: "Checkpoints
+and resuming".
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import io
 import json
+import mmap
 import os
 import pickle
 import platform
@@ -31,8 +33,11 @@ from safetensors.torch import save as save_safetensors
 
 from ..run_dir import write_json_atomic
 
+# Re-exported: callers name them as format's (fmt.HASH, fmt.file_entry, fmt.sha256).
+from .checksums import HASH, HASHES, HashingWriter, digest, entry_hash, file_entry, sha256  # noqa: F401
+
 MANIFEST = "MANIFEST.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # unchanged by the hash: each entry names its algorithm
 STEP_DIR = re.compile(r"^step_(\d+)$")
 REQUIRED_FILES = (
     "model.safetensors",
@@ -88,10 +93,6 @@ def write_file(path: Path, data: bytes | memoryview) -> None:
         os.fsync(f.fileno())
 
 
-def sha256(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()  # releases the GIL: runs beside writes
-
-
 def checkpoint_name(step: int) -> str:
     return f"step_{step:07d}"
 
@@ -145,9 +146,9 @@ def read_manifest(ckpt: Path) -> dict[str, Any]:
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
         files = manifest["files"]
-        assert isinstance(files, dict) and all(
-            isinstance(v["sha256"], str) and isinstance(v["size"], int) for v in files.values()
-        )
+        assert isinstance(files, dict) and all(isinstance(v["size"], int) for v in files.values())
+        for entry in files.values():
+            entry_hash(entry)
         int(manifest["step"])
     except (ValueError, KeyError, TypeError, AssertionError) as err:
         raise CheckpointError(f"{path}: not a valid manifest ({err!r})") from err
@@ -157,25 +158,41 @@ def read_manifest(ckpt: Path) -> dict[str, Any]:
     return manifest
 
 
-def _check_file(ckpt: Path, name: str, expected: dict[str, Any]) -> None:
-    """Size and sha256 of one file against its manifest entry."""
+def _size_checked(ckpt: Path, name: str, expected: dict[str, Any]) -> Path:
     path = ckpt / name
     if "/" in name or name.startswith("."):
         raise CheckpointError(f"{ckpt / MANIFEST}: bad file name {name!r}")
     try:
         size = path.stat().st_size
-        if size != expected["size"]:
-            raise CheckpointError(
-                f"{path}: {size} bytes, the manifest says {expected['size']} (truncated?)"
-            )
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 22):
-                digest.update(chunk)  # releases the GIL: runs beside the parsing
     except OSError as err:
         raise CheckpointError(f"{path}: cannot be read ({err.strerror})") from err
-    if digest.hexdigest() != expected["sha256"]:
-        raise CheckpointError(f"{path}: sha256 does not match the manifest (corrupted)")
+    if size != expected["size"]:
+        raise CheckpointError(
+            f"{path}: {size} bytes, the manifest says {expected['size']} (truncated?)"
+        )
+    return path
+
+
+def _check_file(ckpt: Path, name: str, expected: dict[str, Any]) -> None:
+    """Size and checksum of one file against its manifest entry, hashed from
+    a read-only memory map: the page cache's own bytes, no copy (the parsing
+    maps the same pages: each file's bytes are read from the disk once)."""
+    path = _size_checked(ckpt, name, expected)
+    hasher = HASHES[entry_hash(expected)[0]]()
+    try:
+        with open(path, "rb") as f:
+            if expected["size"]:  # an empty file cannot be mapped
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                    view = memoryview(mapped)
+                    try:
+                        hasher.update(view)  # releases the GIL: runs beside the parsing
+                    finally:
+                        view.release()
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: cannot be read ({err})") from err
+    algorithm, want = entry_hash(expected)
+    if hasher.hexdigest() != want:
+        raise CheckpointError(f"{path}: {algorithm} does not match the manifest (corrupted)")
 
 
 def verify_files(
@@ -183,11 +200,11 @@ def verify_files(
     names: Iterable[str] | None = None,
     parse: Callable[[str, Path], Any] | None = None,
 ) -> dict[str, Any]:
-    """Check the size and sha256 of a checkpoint's files (all, or ``names``)
-    against its manifest, and meanwhile parse them with ``parse`` (the hashes
-    are computed in threads beside the parsing, so verification costs little
-    extra time). Raise CheckpointError naming the first bad file; nothing
-    parsed is returned unless every file is intact."""
+    """Check the size and checksum of a checkpoint's files (all, or ``names``)
+    against its manifest, and meanwhile parse them with ``parse`` (hashed in
+    threads beside the parsing, from memory maps of the same pages the parsing
+    reads, so verification costs little extra time). Raise CheckpointError
+    naming the first bad file; nothing parsed is returned unless every file is intact."""
     manifest = read_manifest(ckpt)
     files = manifest["files"]
     extra = sorted(p.name for p in ckpt.iterdir() if p.name != MANIFEST and p.name not in files)
@@ -221,11 +238,13 @@ def verify_checkpoint(ckpt: Path) -> str | None:
 
 def load_tensors_safely(source: Path | bytes, name: str) -> Any:
     """``torch.load(weights_only=True)``: tensors and plain containers only. A
-    pickle that would build any other object (e.g. run code) is refused."""
+    pickle that would build any other object (e.g. run code) is refused. A
+    path is memory-mapped and its tensors copied out once (``_owned``): the
+    bytes come from the page cache the hashing thread reads, not a second read."""
     try:
         if isinstance(source, bytes | bytearray):
-            source = io.BytesIO(source)
-        return torch.load(source, map_location="cpu", weights_only=True)
+            return torch.load(io.BytesIO(source), map_location="cpu", weights_only=True)
+        return _owned(torch.load(source, map_location="cpu", weights_only=True, mmap=True))
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
         raise CheckpointError(
@@ -234,11 +253,38 @@ def load_tensors_safely(source: Path | bytes, name: str) -> Any:
         ) from err
 
 
+def _owned(tree: Any) -> Any:
+    """``tree`` with every tensor moved from the file's memory map into memory
+    of its own, one copy per storage (views stay views of one storage), so
+    nothing keeps the file mapped: a pruned checkpoint frees its disk space,
+    and the optimizer never writes into copy-on-write pages."""
+    copies: dict[int, torch.UntypedStorage] = {}
+
+    def own(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        storage = value.untyped_storage()
+        key = storage.data_ptr()
+        if key not in copies:
+            copies[key] = storage.clone()
+        out = torch.empty(0, dtype=value.dtype)
+        return out.set_(copies[key], value.storage_offset(), value.size(), value.stride())
+
+    def walk(value: Any) -> Any:  # the containers torch.load(weights_only=True) builds
+        if isinstance(value, dict):
+            return type(value)((k, walk(v)) for k, v in value.items())
+        if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+            return type(value)(walk(v) for v in value)
+        return own(value)
+
+    return walk(tree)
+
+
 def parse_file(name: str, path: Path) -> Any:
     """A checkpoint file as Python data: safetensors, weights-only torch, JSON."""
     try:
         if name.endswith(".safetensors"):
-            return load_safetensors_file(path)
+            return load_safetensors_file(path)  # memory-mapped; load_state_dict copies
         if name.endswith(".json"):
             return json.loads(path.read_text(encoding="utf-8"))
     except Exception as err:  # safetensors raises its own error types
@@ -247,47 +293,6 @@ def parse_file(name: str, path: Path) -> Any:
 
 
 # --- writing ---------------------------------------------------------------------------
-
-
-class HashingWriter:
-    """A file being written that hashes what passes through it, from the same
-    buffers: large ones are hashed in ``hashers`` while this thread writes them
-    (hashlib and file writes release the GIL), so hashing adds little time. On
-    exit (no error) the file is fsynced; ``entry`` is its manifest entry."""
-
-    def __init__(self, path: Path, hashers: ThreadPoolExecutor) -> None:
-        self._file = open(path, "wb")  # noqa: SIM115 (closed by __exit__)
-        self._digest = hashlib.sha256()
-        self._hashers = hashers
-        self._size = 0
-        self.entry: dict[str, Any] = {}
-
-    def write(self, data: bytes | memoryview) -> int:
-        view = memoryview(data).cast("B")
-        if view.nbytes >= 1 << 20:
-            hashed = self._hashers.submit(self._digest.update, view)
-            self._file.write(view)
-            hashed.result()
-        else:
-            self._digest.update(view)
-            self._file.write(view)
-        self._size += view.nbytes
-        return view.nbytes
-
-    def flush(self) -> None:
-        self._file.flush()
-
-    def __enter__(self) -> HashingWriter:
-        return self
-
-    def __exit__(self, error_type: Any, *_: Any) -> None:
-        try:
-            if error_type is None:
-                self._file.flush()
-                os.fsync(self._file.fileno())
-                self.entry = {"sha256": self._digest.hexdigest(), "size": self._size}
-        finally:
-            self._file.close()
 
 
 def unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -307,7 +312,7 @@ def unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def torch_save(obj: Any, out: Any) -> None:
-    """torch.save without its per-record CRC32: the manifest's sha256 already
+    """torch.save without its per-record CRC32: the manifest's checksum already
     covers every byte (torch.load reads such files as usual)."""
     get_crc32 = getattr(torch.serialization, "get_crc32_options", None)  # torch >= 2.5
     if get_crc32 is None:

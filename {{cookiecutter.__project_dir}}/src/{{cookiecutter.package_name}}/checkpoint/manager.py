@@ -394,6 +394,7 @@ class CheckpointManager:
             best=best,
             manifest={
                 "format": fmt.FORMAT_VERSION,
+                "hash": fmt.HASH,  # each file entry names its algorithm too
                 "step": step,
                 "epoch": epoch,
                 "batch": batch,

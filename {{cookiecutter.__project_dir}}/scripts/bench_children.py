@@ -1,0 +1,172 @@
+"""The processes ``bench.py`` times, each run as ``python scripts/bench_children.py
+KIND SPEC.json`` (under ``torchrun`` for the DDP kinds): ours (``train.py``), the
+bare loops it is compared with (one process, and DDP), and the start-up costs.
+
+Every training process gets the same step clock: a global optimizer-step hook
+(``torch.optim.optimizer.register_optimizer_step_post_hook``), so neither side
+measures itself differently. Under DDP each rank writes its own file.
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+STARTED = time.time()  # this process's first line of Python (after the interpreter started)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def install_step_clock(out_path: str) -> None:
+    """Record when every optimizer step ends (wall clock for the first, a
+    monotonic clock for all) and write them to ``out_path`` (``.rankN`` under
+    a launcher) at exit."""
+    import atexit
+
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    first: list[float] = []
+    times: list[float] = []
+
+    def hook(optimizer, args, kwargs) -> None:
+        # accelerate's optimizer wrapper steps the real one: count the real one only.
+        if type(optimizer).__module__.startswith("torch.optim"):
+            times.append(time.perf_counter())
+            if not first:
+                first.append(time.time())
+
+    register_optimizer_step_post_hook(hook)
+    if "RANK" in os.environ:
+        out_path = f"{out_path}.rank{os.environ['RANK']}"
+
+    def write() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        Path(out_path).write_text(
+            json.dumps({"first_step_at": first[:1], "times": times, "started": STARTED})
+        )
+
+    atexit.register(write)
+
+
+def child_train(spec: dict) -> None:
+    """``python train.py OVERRIDES``, with the step clock installed."""
+    import runpy
+
+    install_step_clock(spec["out"])
+    sys.argv = [str(ROOT / "train.py"), *spec["overrides"]]
+    sys.path.insert(0, str(ROOT))
+    runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+
+
+def _build(node: dict):
+    """A tiny ``hydra.utils.instantiate`` for the bare side (no Hydra import)."""
+    import functools
+    import importlib
+
+    kwargs = {k: v for k, v in node.items() if not k.startswith("_")}
+    module, _, name = node["_target_"].rpartition(".")
+    target = getattr(importlib.import_module(module), name)
+    return functools.partial(target, **kwargs) if node.get("_partial_") else target(**kwargs)
+
+
+def child_bare(spec: dict) -> None:
+    """The floor: the same model, data, optimizer, schedule, clipping and
+    precision in a hand-written loop, with nothing else. Under ``torchrun``
+    (``spec["ddp"]``): the same in DDP (gloo on CPU, NCCL on GPU), each rank
+    its own batches of the per-process batch size."""
+    install_step_clock(spec["out"])
+    import torch
+
+    from {{ cookiecutter.package_name }} import task  # the same loss as train.py's
+
+    cfg, steps = spec["config"], spec["steps"]
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{rank}" if cuda else "cpu")
+    if spec.get("ddp"):
+        torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    torch.manual_seed(cfg["seed"] + int(os.environ.get("RANK", 0)))
+    loaders = _build(cfg["data"])
+    model = _build(cfg["model"]).to(device)
+    optimizer = _build(cfg["optimizer"])(model.parameters())
+    scheduler = _build(cfg["scheduler"])(optimizer, total_steps=steps)
+    if spec.get("ddp"):
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[rank] if cuda else None
+        )
+    if cfg["trainer"].get("compile"):
+        model = torch.compile(model)
+    bf16 = cfg["trainer"]["mixed_precision"] == "bf16"
+    clip = cfg["trainer"]["grad_clip_norm"]
+    done = 0
+    while done < steps:
+        for batch in loaders.train:
+            batch = [t.to(device, non_blocking=True) for t in batch]
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                loss = task.loss(model=model, batch=batch)
+            loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            done += 1
+            if done == steps:
+                break
+    if spec.get("ddp"):
+        torch.distributed.destroy_process_group()
+
+
+def child_startup(spec: dict) -> None:
+    """The fixed costs of ``python train.py`` (the defaults) one by one, in a
+    fresh process: imports (torch, Hydra, accelerate, the rest train.py
+    imports), composing the config, building the accelerator; written to
+    ``spec["out"]``. Then ``train.py preflight.only=true`` in this process:
+    its train.log says how long preflight took."""
+    costs = {"interpreter start (to the first line)": STARTED - spec["launched_at"]}
+
+    def mark(name: str, since: float) -> float:
+        now = time.time()
+        costs[name] = now - since
+        return now
+
+    t = time.time()
+    import torch
+
+    t = mark("import torch", t)
+    import hydra  # noqa: F401
+    import omegaconf  # noqa: F401
+
+    t = mark("import hydra, omegaconf", t)
+    import accelerate  # noqa: F401
+
+    t = mark("import accelerate", t)
+    import runpy
+
+    sys.path.insert(0, str(ROOT))
+    runpy.run_path(str(ROOT / "train.py"), run_name="bench_import")  # its imports only
+    t = mark("import the rest of train.py's modules", t)
+    from hydra import compose, initialize_config_dir
+
+    from {{ cookiecutter.package_name }}.config import register_resolvers, resolve_config
+
+    register_resolvers(ROOT)
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = resolve_config(compose("train", overrides=spec["overrides"]))
+    t = mark("compose and resolve the config (Hydra)", t)
+    from accelerate import Accelerator
+
+    Accelerator(cpu=not torch.cuda.is_available())
+    mark("build the Accelerator", t)
+    del cfg
+    Path(spec["out"]).write_text(json.dumps(costs))
+    sys.argv = [str(ROOT / "train.py"), *spec["overrides"], "preflight.only=true"]
+    sys.argv.append(f"hydra.run.dir={spec['run_dir']}")
+    runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+
+
+if __name__ == "__main__":
+    kinds = {"train": child_train, "bare": child_bare, "startup": child_startup}
+    kinds[sys.argv[1]](json.loads(Path(sys.argv[2]).read_text()))
