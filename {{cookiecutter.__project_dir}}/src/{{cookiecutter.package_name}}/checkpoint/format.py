@@ -42,6 +42,15 @@ REQUIRED_FILES = (
     "trainer_state.json",
     "config.json",
 )
+# checkpoint.format=sharded (sharded.py): model/ and optimizer/ hold per-rank shards.
+SHARDED_REQUIRED_FILES = (
+    "optimizer_groups.json",
+    "scheduler.pt",
+    "rng_rank0.pt",
+    "trainer_state.json",
+    "config.json",
+)
+SHARD_DIRS = ("model", "optimizer")
 MIN_KEEP = 2  # checkpoint.keep_last below this is raised: the newest may be half-written
 
 
@@ -90,6 +99,38 @@ def write_file(path: Path, data: bytes | memoryview) -> None:
 
 def sha256(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()  # releases the GIL: runs beside writes
+
+
+def file_entry(path: Path) -> dict[str, Any]:
+    """The manifest entry of a file already on disk (a rank's DCP shard),
+    hashed in chunks: the file is never held in memory whole."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+            size += len(chunk)
+    return {"sha256": digest.hexdigest(), "size": size}
+
+
+def bad_name(name: str) -> bool:
+    """A manifest name that is not a plain file of the checkpoint (or of one of
+    its shard folders): refused, so nothing outside the checkpoint is read."""
+    parts = name.split("/")
+    if len(parts) > 2 or (len(parts) == 2 and parts[0] not in SHARD_DIRS):
+        return True
+    return any(not part or part.startswith(".") for part in parts)
+
+
+def listing(ckpt: Path) -> list[str]:
+    """Every file of a checkpoint by manifest name (shard folders included)."""
+    names = []
+    for p in ckpt.iterdir():
+        if p.is_dir() and p.name in SHARD_DIRS:
+            names += [f"{p.name}/{q.name}" for q in p.iterdir()]
+        else:
+            names.append(p.name)
+    return names
 
 
 def checkpoint_name(step: int) -> str:
@@ -151,7 +192,11 @@ def read_manifest(ckpt: Path) -> dict[str, Any]:
         int(manifest["step"])
     except (ValueError, KeyError, TypeError, AssertionError) as err:
         raise CheckpointError(f"{path}: not a valid manifest ({err!r})") from err
-    missing = [name for name in REQUIRED_FILES if name not in files]
+    sharded = manifest.get("layout") == "sharded"
+    required = SHARDED_REQUIRED_FILES if sharded else REQUIRED_FILES
+    missing = [name for name in required if name not in files]
+    if sharded and not any(name.startswith("model/") for name in files):
+        missing.append("model/ shard")
     if missing:
         raise CheckpointError(f"{path}: lists no {', '.join(missing)}")
     return manifest
@@ -160,7 +205,7 @@ def read_manifest(ckpt: Path) -> dict[str, Any]:
 def _check_file(ckpt: Path, name: str, expected: dict[str, Any]) -> None:
     """Size and sha256 of one file against its manifest entry."""
     path = ckpt / name
-    if "/" in name or name.startswith("."):
+    if bad_name(name):
         raise CheckpointError(f"{ckpt / MANIFEST}: bad file name {name!r}")
     try:
         size = path.stat().st_size
@@ -190,7 +235,7 @@ def verify_files(
     parsed is returned unless every file is intact."""
     manifest = read_manifest(ckpt)
     files = manifest["files"]
-    extra = sorted(p.name for p in ckpt.iterdir() if p.name != MANIFEST and p.name not in files)
+    extra = sorted(n for n in listing(ckpt) if n != MANIFEST and n not in files)
     if extra:
         raise CheckpointError(f"{ckpt}: files not in the manifest: {', '.join(extra)}")
     wanted = list(files) if names is None else [n for n in names if n in files]
