@@ -190,8 +190,8 @@ class CheckpointManager:
         names = [n for n in manifest["files"] if not n.startswith("rng_rank")] + [rng_name]
         layout = manifest.get("layout", "full")
 
-        def parse(name: str, path: Path) -> Any:  # shards: verified here, read by DCP
-            return None if sharded.is_shard(name) else fmt.parse_file(name, path)
+        def parse(name: str, path: Path) -> Any:  # shards: headers checked, read by DCP
+            return sharded.check_shard(path) if sharded.is_shard(name) else fmt.parse_file(name, path)
 
         loaded = fmt.verify_files(ckpt, names, parse=parse)  # every shard on every rank
         allowed = allowed_config_changes(self.config)

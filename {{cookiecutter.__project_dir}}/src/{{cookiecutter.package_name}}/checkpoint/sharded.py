@@ -101,6 +101,19 @@ def is_shard(name: str) -> bool:
     return name.split("/", 1)[0] in SHARD_DIRS and "/" in name
 
 
+def check_shard(path: Path) -> None:
+    """A shard's safetensors header parses (JSON; no tensor is read): checked
+    before any live object is touched. Anything else in a shard's place (e.g.
+    a pickle) is refused here and never opened otherwise."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except Exception as err:  # safetensors raises its own error types
+        raise CheckpointError(f"{path}: refused: not a safetensors shard ({err})") from err
+
+
 def load(
     ckpt: Path,
     accelerator: Any,
