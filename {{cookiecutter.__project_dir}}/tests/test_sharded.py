@@ -73,9 +73,10 @@ def test_position_and_accumulation_on_another_world_size():
     assert done == 6 and "576" in warning and "64 samples" in warning
     # a finished epoch stays finished; an old checkpoint without samples_in_epoch
     end = {"batch": 12, "batches_per_epoch": 12}
-    assert elastic.resume_batch(end, saved_world=2, world=1, batch_size=32, batches_per_epoch=23)[
-        0
-    ] == 23
+    assert (
+        elastic.resume_batch(end, saved_world=2, world=1, batch_size=32, batches_per_epoch=23)[0]
+        == 23
+    )
     old = {"batch": 4, "batches_per_epoch": 12}
     assert elastic.resume_batch(
         old, saved_world=2, world=1, batch_size=32, batches_per_epoch=23
@@ -95,9 +96,15 @@ def test_process_count_and_parallel_mode_may_change_nothing_else(compose_cfg):
 
     ddp = resolved("parallel=ddp")
     allowed = allowed_config_changes(ddp)
-    for other in (["parallel=none"], ["parallel=fsdp"], ["parallel=ddp", "parallel.num_processes=4"]):
+    for other in (
+        ["parallel=none"],
+        ["parallel=fsdp"],
+        ["parallel=ddp", "parallel.num_processes=4"],
+    ):
         assert config_differences(ddp, resolved(*other), allowed) == [], other
-    refused = config_differences(ddp, resolved("parallel=none", "trainer.grad_accum_steps=2"), allowed)
+    refused = config_differences(
+        ddp, resolved("parallel=none", "trainer.grad_accum_steps=2"), allowed
+    )
     assert refused == ["trainer.grad_accum_steps: 1 -> 2"]
     assert config_differences(ddp, resolved("parallel=fsdp", "optimizer.lr=0.1"), allowed)
 
@@ -122,11 +129,11 @@ def test_one_epoch_across_world_sizes_and_modes_sees_every_sample_once(tmp_path)
         ["parallel=ddp", "trainer.max_steps=16"],
         ["parallel=none", "trainer.max_steps=null"],
     ]
-    outputs = [
-        train(run_dir, *common, *part, SAMPLE_LOG=str(log_dir))[1] for part in parts
-    ]
+    outputs = [train(run_dir, *common, *part, SAMPLE_LOG=str(log_dir))[1] for part in parts]
     layouts = {
-        step: json.loads((run_dir / "checkpoints" / fmt.checkpoint_name(step) / fmt.MANIFEST).read_text())
+        step: json.loads(
+            (run_dir / "checkpoints" / fmt.checkpoint_name(step) / fmt.MANIFEST).read_text()
+        )
         for step in (4, 8, 12, 16, 23)
     }
     assert [(m["layout"], m["world_size"], m["grad_accum_steps"]) for m in layouts.values()] == [
@@ -137,13 +144,13 @@ def test_one_epoch_across_world_sizes_and_modes_sees_every_sample_once(tmp_path)
         ("full", 1, 2),
     ]
     assert "gradient accumulation 1 (trainer.grad_accum_steps=2) keeps" in outputs[1]
-    assert "resumed from" in outputs[4] and "samples of this epoch are trained a second" not in "".join(outputs)
+    assert "resumed from" in outputs[
+        4
+    ] and "samples of this epoch are trained a second" not in "".join(outputs)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["step"] == 23 and summary["world_size"] == 1
 
-    seen = Counter(
-        line for f in log_dir.iterdir() for line in f.read_text().split()
-    )
+    seen = Counter(line for f in log_dir.iterdir() for line in f.read_text().split())
     train_set = digits(batch_size=32, seed=42, val_fraction=0.1809).train.dataset.tensors[0]
     expected = Counter(sample_hash(row) for row in train_set)
     assert sum(expected.values()) == 1472

@@ -4,9 +4,11 @@
 to resume), ``commit`` (the save protocol's writing half), ``async_save``
 (staging, background writer), ``full_state`` (model/optimizer state gathered to
 full tensors), ``sharded`` (per-rank DCP safetensors shards), ``elastic``
-(resuming on another number of processes), ``__main__`` (the list/verify/export CLI). README: "Checkpoints and resuming".
+(resuming on another number of processes), ``__main__`` (the list/verify/export
+CLI). README: "Checkpoints and resuming".
 """
 
+from .elastic import plan_grad_accum
 from .format import (
     CheckpointError,
     ConfigMismatch,
@@ -14,7 +16,6 @@ from .format import (
     load_tensors_safely,
     verify_checkpoint,
 )
-from .elastic import plan_grad_accum
 from .manager import CheckpointManager
 
 __all__ = [

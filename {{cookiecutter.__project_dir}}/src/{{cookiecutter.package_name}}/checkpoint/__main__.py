@@ -127,7 +127,9 @@ def _cli_export(path: Path, out: Path, best: bool) -> int:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, out)
-        print(f"exported {ckpt / ('model/' if layout == 'sharded' else 'model.safetensors')} -> {out}")
+        print(
+            f"exported {ckpt / ('model/' if layout == 'sharded' else 'model.safetensors')} -> {out}"
+        )
         return 0
     print(f"no valid checkpoint in {path}", file=sys.stderr)
     return 1

@@ -49,7 +49,8 @@ def resume_batch(
         return done, None
     return done, (
         f"the checkpoint consumed {samples} samples of its epoch, not a multiple of "
-        f"{world} processes x {batch_size} per batch: continuing after {done * world * batch_size}, "
+        f"{world} processes x {batch_size} per batch: continuing after "
+        f"{done * world * batch_size}, "
         f"so {left} samples of this epoch are trained a second time"
     )
 
@@ -73,10 +74,10 @@ def grad_accum_for(
 def effective_mode(mode: str, own_dir: Path) -> str:
     """``checkpoint.resume`` as it applies now: once this run dir has checkpoints
     of its own, a path outside it only started the run (``auto`` continues)."""
-    if mode not in ("auto", "never") and fmt.committed_checkpoints(own_dir):
-        if not Path(mode).resolve().is_relative_to(own_dir.parent.resolve()):
-            return "auto"
-    return mode
+    if mode in ("auto", "never") or not fmt.committed_checkpoints(own_dir):
+        return mode
+    inside = Path(mode).resolve().is_relative_to(own_dir.parent.resolve())
+    return mode if inside else "auto"
 
 
 def candidates(mode: str, own_dir: Path) -> list[Path]:
@@ -89,9 +90,7 @@ def candidates(mode: str, own_dir: Path) -> list[Path]:
         raise fmt.CheckpointError(f"checkpoint.resume={err}") from None
 
 
-def plan_grad_accum(
-    checkpoint: Any, *, run_dir: Path, accelerator: Any, configured: int
-) -> int:
+def plan_grad_accum(checkpoint: Any, *, run_dir: Path, accelerator: Any, configured: int) -> int:
     """Before the schedule is built: the gradient accumulation of this run. With
     the checkpoint a resume will start from saved on another number of processes,
     the one that keeps its global batch (set on ``accelerator``); else ``configured``."""

@@ -58,7 +58,9 @@ class CheckpointManager:
         self.batch_size = elastic.per_process_batch(state.train_loader, accelerator.num_processes)
         # checkpoint.format: auto = sharded under FSDP (no rank gathers the state), else full
         layout = str(self.ck.get("format", "auto"))
-        self.layout = ("sharded" if accelerator.is_fsdp2 else "full") if layout == "auto" else layout
+        self.layout = (
+            ("sharded" if accelerator.is_fsdp2 else "full") if layout == "auto" else layout
+        )
         self.guard = guard
         self.timeout_s = float(timeout_s or 1800)
         self.best: dict[str, Any] | None = None  # step, value of save_best.monitor
@@ -189,11 +191,7 @@ class CheckpointManager:
         rng_name = f"rng_rank{rank % saved_world}.pt"
         names = [n for n in manifest["files"] if not n.startswith("rng_rank")] + [rng_name]
         layout = manifest.get("layout", "full")
-
-        def parse(name: str, path: Path) -> Any:  # shards: headers checked, read by DCP
-            return sharded.check_shard(path) if sharded.is_shard(name) else fmt.parse_file(name, path)
-
-        loaded = fmt.verify_files(ckpt, names, parse=parse)  # every shard on every rank
+        loaded = fmt.verify_files(ckpt, names, parse=sharded.parse)  # every shard, every rank
         allowed = allowed_config_changes(self.config)
         diffs = config_differences(loaded["config.json"], self.config, allowed)
         if diffs:
@@ -219,22 +217,9 @@ class CheckpointManager:
                 + (f"; {problem}" if problem else "")
             )
         try:
-            if layout == "sharded":
-                sharded.load(
-                    ckpt,
-                    self.accelerator,
-                    self.state.model,
-                    self.state.optimizer,
-                    loaded[sharded.OPTIMIZER_GROUPS],
-                )
-            else:
-                full_state.load_model_and_optimizer(
-                    self.accelerator,
-                    self.state.model,
-                    self.state.optimizer,
-                    loaded["model.safetensors"],
-                    loaded["optimizer.pt"],
-                )
+            full_state.restore(
+                layout, ckpt, self.accelerator, self.state.model, self.state.optimizer, loaded
+            )
             self.state.scheduler.load_state_dict(loaded["scheduler.pt"])
             scaler = getattr(self.accelerator, "scaler", None)
             if scaler is not None and "scaler.pt" in loaded:
@@ -393,22 +378,11 @@ class CheckpointManager:
         name = fmt.checkpoint_name(step)
         best = new_best or self.best
         blobs = {f"rng_rank{acc.process_index}.pt": fmt.torch_bytes(rng_state())}
-        tensors: dict[str, Any] = {}
-        shards = None
-        if self.layout == "sharded":  # this rank's shards, written by save() on every rank
-            model_sd, optim_tensors, plain = sharded.state_dicts(
-                acc, self.state.model, self.state.optimizer
-            )
-            shards = (model_sd, optim_tensors)
-            if acc.is_main_process:
-                blobs[sharded.OPTIMIZER_GROUPS] = sharded.optimizer_groups_bytes(plain)
-        else:
-            model_state = full_state.model_state(acc, self.state.model)  # collectives (FSDP)
-            optimizer_state = full_state.optimizer_state(
-                acc, self.state.model, self.state.optimizer
-            )
-            if acc.is_main_process:
-                tensors = {"model.safetensors": model_state, "optimizer.pt": optimizer_state}
+        # full: gathered (collectives under FSDP); sharded: this rank's live shards
+        tensors, shards, extra = full_state.take(
+            self.layout, acc, self.state.model, self.state.optimizer
+        )
+        blobs.update(extra)
         if acc.is_main_process:
             blobs.update(self._small_files(step, epoch, batch, best))
         job = async_save.SaveJob(
@@ -471,21 +445,9 @@ class CheckpointManager:
         return blobs
 
     def _write_shards(self, job: async_save.SaveJob, failed: OSError | None) -> OSError | None:
-        """Sharded: every rank writes its shards (main thread, collectives; also
-        with ``checkpoint.async``, which then moves hashing and the commit to the
-        background). Returns the first error, as ``commit.make_tmp`` does."""
-        if job.shards is None or failed is not None:
-            return failed
-        if not job.tmp.is_dir():  # the main process failed to make it: every rank skips
-            return FileNotFoundError(2, "not created", str(job.tmp))
-        model_sd, optim_tensors = job.shards
-        job.shards = None  # the live tensors are not kept past the write
-        try:
-            sharded.write(job.tmp, model_sd, optim_tensors, job.step)
-        except OSError as err:
-            return err
-        job.own_files = sharded.own_files(job.tmp, self.accelerator.process_index)
-        return None
+        """Sharded: every rank writes its shards now (main thread, collectives;
+        with ``checkpoint.async`` too: the background does hashing and commit)."""
+        return sharded.write_job(job, failed, self.accelerator.process_index)
 
     def _write(self, job: async_save.SaveJob, failed: OSError | None, sync: bool) -> None:
         keep_last = int(self.ck.get("keep_last", 3))

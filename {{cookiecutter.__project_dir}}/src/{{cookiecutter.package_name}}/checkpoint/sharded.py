@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from . import full_state
 from .format import SHARD_DIRS, CheckpointError
-from .full_state import plain_model
 
 MODEL_DIR, OPTIMIZER_DIR = SHARD_DIRS
 OPTIMIZER_GROUPS = "optimizer_groups.json"
@@ -45,7 +45,7 @@ def state_dicts(
         get_optimizer_state_dict,
     )
 
-    plain = plain_model(accelerator, model)
+    plain = full_state.plain_model(accelerator, model)
     model_sd = get_model_state_dict(plain)
     optim_sd = get_optimizer_state_dict(
         plain, getattr(optimizer, "optimizer", optimizer), options=_options()
@@ -91,6 +91,24 @@ def write(tmp: Path, model_sd: dict[str, Any], optim_tensors: dict[str, Any], st
             fmt.pause_point("between_files", step)
 
 
+def write_job(job: Any, failed: OSError | None, rank: int) -> OSError | None:
+    """Every rank writes a save job's shards (``job.shards``) into ``job.tmp``,
+    then notes the files it wrote (``job.own_files``, hashed by commit.py).
+    Returns the first error instead of raising, as ``commit.make_tmp`` does."""
+    if job.shards is None or failed is not None:
+        return failed
+    if not job.tmp.is_dir():  # the main process failed to make it: every rank skips
+        return FileNotFoundError(2, "not created", str(job.tmp))
+    model_sd, optim_tensors = job.shards
+    job.shards = None  # the live tensors are not kept past the write
+    try:
+        write(job.tmp, model_sd, optim_tensors, job.step)
+    except OSError as err:
+        return err
+    job.own_files = own_files(job.tmp, rank)
+    return None
+
+
 def own_files(tmp: Path, rank: int) -> list[Path]:
     """The shard files this rank wrote (a rank with nothing to write has none)."""
     name = SHARD_NAME.format(index=rank + 1)
@@ -99,6 +117,13 @@ def own_files(tmp: Path, rank: int) -> list[Path]:
 
 def is_shard(name: str) -> bool:
     return name.split("/", 1)[0] in SHARD_DIRS and "/" in name
+
+
+def parse(name: str, path: Path) -> Any:
+    """``format.parse_file``, except that shards are only checked (DCP reads them)."""
+    from . import format as fmt
+
+    return check_shard(path) if is_shard(name) else fmt.parse_file(name, path)
 
 
 def check_shard(path: Path) -> None:
@@ -131,7 +156,7 @@ def load(
         set_optimizer_state_dict,
     )
 
-    plain = plain_model(accelerator, model)
+    plain = full_state.plain_model(accelerator, model)
     inner = getattr(optimizer, "optimizer", optimizer)
     model_sd, optim_tensors, _ = state_dicts(accelerator, model, optimizer)
     dcp.load(model_sd, storage_reader=HuggingFaceStorageReader(str(ckpt / MODEL_DIR)))
