@@ -3,7 +3,8 @@ pruning steps, verification and safe loading. No accelerator: unit-testable.
 
 ``step_0000500/`` holds ``model.safetensors``, ``optimizer.pt``, ``scheduler.pt``
 (``scaler.pt``), ``rng_rank{r}.pt``, ``trainer_state.json``, ``config.json`` and,
-written last, ``MANIFEST.json`` (sha256 and size of every file). Nothing is
+written last, ``MANIFEST.json`` (sha256 and size of every file); a sharded one
+(sharded.py) has ``model/`` and ``optimizer/`` shards instead. Nothing is
 unpickled beyond ``torch.load(weights_only=True)``. README: "Checkpoints and resuming".
 """
 
