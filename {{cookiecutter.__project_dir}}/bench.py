@@ -502,8 +502,18 @@ def bench_ckpt_memory(args, work: Path, results: dict) -> None:
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}
         env |= {"LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)  # freed tensors leave the RSS at once
-        cmd = [sys.executable, str(ROOT / "bench.py"), "--child", "memory", str(folder / "spec.json")]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        cmd = [
+            sys.executable,
+            str(ROOT / "bench.py"),
+            "--child",
+            "memory",
+            str(folder / "spec.json"),
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     for proc in procs:
         output, _ = proc.communicate(timeout=900)
         if proc.returncode != 0:
@@ -511,15 +521,25 @@ def bench_ckpt_memory(args, work: Path, results: dict) -> None:
     mib = 2**20
     ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
     state = ranks[0]["state_bytes"]
-    print(f"  checkpoint memory, FSDP on 2 processes, model + AdamW state {state / mib:.0f} MiB:")
-    print(f"  {'rank':>4} {'shard MiB':>10} {'full save':>10} {'sharded save':>13} {'full load':>10} {'sharded load':>13}  (peak RSS above the live state, MiB)")
+    print(
+        f"  checkpoint memory, FSDP on 2 processes, model + AdamW state {state / mib:.0f} MiB "
+        "(peak RSS above the live state, MiB):"
+    )
+    head = ("rank", "shard MiB", "full save", "sharded save", "full load", "sharded load")
+    print("  " + " ".join(f"{h:>{w}}" for h, w in zip(head, (4, 10, 10, 13, 10, 13), strict=True)))
     for r in ranks:
         print(
             f"  {r['rank']:>4} {r['shard_bytes'] / mib:>10.0f} {r['full_save_peak'] / mib:>10.0f} "
             f"{r['sharded_save_peak'] / mib:>13.0f} {r['full_load_peak'] / mib:>10.0f} "
             f"{r['sharded_load_peak'] / mib:>13.0f}"
         )
-        for key in ("full_save_peak", "sharded_save_peak", "full_load_peak", "sharded_load_peak", "shard_bytes"):
+        for key in (
+            "full_save_peak",
+            "sharded_save_peak",
+            "full_load_peak",
+            "sharded_load_peak",
+            "shard_bytes",
+        ):
             results[f"ckpt_memory_rank{r['rank']}_{key}_mib"] = round(r[key] / mib, 1)
     results["ckpt_memory_state_mib"] = round(state / mib, 1)
 
