@@ -24,6 +24,8 @@ def make_tmp(job: async_save.SaveJob, accelerator: Any) -> OSError | None:
             if job.tmp.exists():
                 shutil.rmtree(job.tmp)
             job.tmp.mkdir()
+            for folder in fmt.SHARD_DIRS if job.shards is not None else ():
+                (job.tmp / folder).mkdir()  # every rank writes its shards there
     except OSError as err:
         failed = err
     accelerator.wait_for_everyone()

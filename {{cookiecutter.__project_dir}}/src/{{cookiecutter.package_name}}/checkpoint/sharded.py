@@ -81,7 +81,6 @@ def write(tmp: Path, model_sd: dict[str, Any], optim_tensors: dict[str, Any], st
     from . import format as fmt
 
     for directory, state in ((MODEL_DIR, model_sd), (OPTIMIZER_DIR, optim_tensors)):
-        (tmp / directory).mkdir(exist_ok=True)
         writer = HuggingFaceStorageWriter(str(tmp / directory), save_distributed=True)
         try:
             dcp.save(state, storage_writer=writer)
@@ -156,10 +155,16 @@ def load(
         set_optimizer_state_dict,
     )
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
     plain = full_state.plain_model(accelerator, model)
     inner = getattr(optimizer, "optimizer", optimizer)
     model_sd, optim_tensors, _ = state_dicts(accelerator, model, optimizer)
-    dcp.load(model_sd, storage_reader=HuggingFaceStorageReader(str(ckpt / MODEL_DIR)))
-    set_model_state_dict(plain, model_sd)
-    dcp.load(optim_tensors, storage_reader=HuggingFaceStorageReader(str(ckpt / OPTIMIZER_DIR)))
+    try:
+        dcp.load(model_sd, storage_reader=HuggingFaceStorageReader(str(ckpt / MODEL_DIR)))
+        set_model_state_dict(plain, model_sd)
+        reader = HuggingFaceStorageReader(str(ckpt / OPTIMIZER_DIR))
+        dcp.load(optim_tensors, storage_reader=reader)
+    except CheckpointException as err:  # a BaseException: the caller sees a RuntimeError
+        raise RuntimeError(f"the shards do not fit this model: {err}") from err
     set_optimizer_state_dict(plain, inner, {**optim_tensors, **plain_values}, options=_options())
