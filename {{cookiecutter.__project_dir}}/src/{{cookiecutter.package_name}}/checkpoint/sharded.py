@@ -150,12 +150,11 @@ def load(
     slices of its own shards (collectives under several processes)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
         set_model_state_dict,
         set_optimizer_state_dict,
     )
-
-    from torch.distributed.checkpoint.api import CheckpointException
 
     plain = full_state.plain_model(accelerator, model)
     inner = getattr(optimizer, "optimizer", optimizer)
