@@ -4,6 +4,7 @@
     python bench.py --quick                  # tiny sizes, 1 round (CI: printed, not judged)
     python bench.py --json bench.json        # also write the figures, settings and machine
     python bench.py --only checkpoint        # some parts: loop, startup, checkpoint, log
+    python bench.py --only ckpt_memory       # peak memory per rank: full vs sharded (FSDP, 2 ranks)
     python bench.py --trackers csv,tensorboard --repeats 7
     python bench.py --overrides model=mlp data=digits    # another workload (Hydra overrides)
 
@@ -76,6 +77,9 @@ PARTS = ("loop", "ddp", "startup", "checkpoint", "log")
 CHILDREN = ROOT / "scripts" / "bench_children.py"  # the timed processes
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_checkpoint import bench_checkpoint  # noqa: E402 (the checkpoint figures, in-process)
+from bench_ckpt_memory import bench_ckpt_memory  # noqa: E402 (full vs sharded, 2 FSDP ranks)
+
+EXTRA_PARTS = ("ckpt_memory",)  # only when named in --only
 
 GPT = ["model=gpt", "data=tokens"]
 SIZES = {  # workload sizes per setting; override any with --overrides
@@ -349,7 +353,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.repeats = args.repeats or (1 if args.quick else 5)
     args.steps = args.steps or (12 if args.quick else 200)
     args.only = [p.strip() for p in args.only.split(",") if p.strip()]
-    bad = [p for p in args.only if p not in PARTS]
+    bad = [p for p in args.only if p not in PARTS + EXTRA_PARTS]
     if bad:
         parser.error(f"--only {','.join(bad)}: choose from {', '.join(PARTS)}")
     if args.trackers is None:
@@ -394,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
             (work / "checkpoint").mkdir()
             config = compose([*overrides, *size])
             bench_checkpoint(args, config, work / "checkpoint", results)
+        if "ckpt_memory" in args.only:
+            bench_ckpt_memory(args, compose, work, results)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report(results)

@@ -23,7 +23,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from {{ cookiecutter.package_name }} import task
 from {{ cookiecutter.package_name }}.accel import build_accelerator, weights_fingerprint
-from {{ cookiecutter.package_name }}.checkpoint import CheckpointError, CheckpointManager
+from {{ cookiecutter.package_name }}.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    plan_grad_accum,
+)
 from {{ cookiecutter.package_name }}.config import (
     ConfigError,
     check_config,
@@ -95,7 +99,15 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     model, optimizer, train_loader, val_loader = accelerator.prepare(
         model, optimizer, loaders.train, loaders.val
     )
-    steps_per_epoch = math.ceil(len(train_loader) / cfg.trainer.grad_accum_steps)
+    # Resuming a checkpoint of another number of processes: the accumulation that
+    # keeps its global batch (else trainer.grad_accum_steps; README: "Elastic resume")
+    grad_accum = plan_grad_accum(
+        cfg.checkpoint,
+        run_dir=run_dir,
+        accelerator=accelerator,
+        configured=cfg.trainer.grad_accum_steps,
+    )
+    steps_per_epoch = math.ceil(len(train_loader) / grad_accum)
     total_steps = cfg.trainer.max_steps or cfg.trainer.max_epochs * steps_per_epoch
     max_epochs = math.ceil(total_steps / steps_per_epoch)
     scheduler = accelerator.prepare(
@@ -205,7 +217,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
             if step % log_every == 0:
                 rate = progress.window_rate(step)
                 samples, tokens = task.batch_size(batch=data)
-                accumulated = cfg.trainer.grad_accum_steps
+                accumulated = grad_accum
                 metrics = {
                     "train/loss": accelerator.reduce(loss_sum, "mean").item() / loss_count,
                     "train/lr": scheduler.get_last_lr()[0],

@@ -1,8 +1,10 @@
 """Test-only models that fail on purpose, selected from the command line with
 ``model._target_=tests.faults.<Name>``: production code carries no test hooks."""
 
+import hashlib
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -55,3 +57,20 @@ def data_from_a_missing_file(**kwargs):
     """A data function whose file is missing: the error must name the path."""
     with open("/no/such/file.csv") as f:
         return f.read()
+
+
+class RecordsSamples(MLP):
+    """Appends a hash of every training sample it sees to
+    ``$SAMPLE_LOG/<pid>.txt`` (evaluation passes are not recorded): which
+    samples a run, or the parts of an interrupted one, trained on."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            lines = "".join(f"{sample_hash(row)}\n" for row in x)
+            with open(Path(os.environ["SAMPLE_LOG"]) / f"{os.getpid()}.txt", "a") as f:
+                f.write(lines)
+        return super().forward(x)
+
+
+def sample_hash(row: torch.Tensor) -> str:
+    return hashlib.sha1(row.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]

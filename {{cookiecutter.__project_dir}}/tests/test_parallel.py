@@ -330,6 +330,8 @@ def test_resume_after_the_launcher_is_killed_or_stopped_is_bit_exact(tmp_path, m
         assert launcher.wait(timeout=120) == code
         saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
         assert saved and not any(p.endswith(".tmp") for p in saved)
+        layout = json.loads((run_dir / "checkpoints" / saved[-1] / "MANIFEST.json").read_text())
+        assert layout["layout"] == ("sharded" if mode == "fsdp" else "full")  # format: auto
         ok(run(tmp_path, *args, f"hydra.run.dir={run_dir}"))  # the same command again
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["resumed_from"] and summary["step"] == 60

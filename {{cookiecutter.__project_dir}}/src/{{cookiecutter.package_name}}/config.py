@@ -197,6 +197,11 @@ RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("checkpoint.save_best.enabled", _bool, "true or false"),
     ("checkpoint.save_best.mode", lambda v: v in ("min", "max"), "min or max"),
     ("checkpoint.save_last", _bool, "true or false"),
+    (
+        "checkpoint.format",
+        lambda v: v in ("auto", "full", "sharded"),
+        "auto (sharded under FSDP, else full), full or sharded",
+    ),
     ("checkpoint.save_on_signal", _bool, "true or false"),
     ("checkpoint.async", _bool, "true or false"),
     (
@@ -295,7 +300,20 @@ def check_config(cfg: DictConfig) -> None:
 # and port, the collective timeout, where the runs directory is). Any other
 # difference (model, data, optimizer, schedule, seed, precision, ...) is refused.
 # The data and model add their own such arguments (``resume_may_change``, below).
+# Elastic resume: the number of processes and the parallel mode (with the layout
+# options that come with a mode) may change; the checkpoint restores onto any of
+# them, and the global batch is kept where it can be (checkpoint/elastic.py).
 ALLOWED_CONFIG_CHANGES = (
+    "parallel.mode",
+    "parallel.num_processes",
+    "parallel.cpu_processes",
+    "parallel.num_nodes",
+    "parallel.backend",  # a transport (parallel=none has none)
+    "parallel.find_unused_parameters",
+    "parallel.auto_wrap_min_params",
+    "parallel.reshard_after_forward",
+    "parallel.cpu_offload",
+    "parallel.activation_checkpointing",
     "parallel.node_rank",
     "parallel.master_addr",
     "parallel.master_port",

@@ -2,10 +2,13 @@
 
 ``format`` (files, manifest, verify, safe load), ``manager`` (when to save, what
 to resume), ``commit`` (the save protocol's writing half), ``async_save``
-(staging, background writer), ``full_state`` (model/optimizer state under every
-parallel mode), ``__main__`` (the list/verify/export CLI). README: "Checkpoints and resuming".
+(staging, background writer), ``full_state`` (model/optimizer state gathered to
+full tensors), ``sharded`` (per-rank DCP safetensors shards), ``elastic``
+(resuming on another number of processes), ``__main__`` (the list/verify/export
+CLI). README: "Checkpoints and resuming".
 """
 
+from .elastic import plan_grad_accum
 from .format import (
     CheckpointError,
     ConfigMismatch,
@@ -21,5 +24,6 @@ __all__ = [
     "ConfigMismatch",
     "committed_checkpoints",
     "load_tensors_safely",
+    "plan_grad_accum",
     "verify_checkpoint",
 ]

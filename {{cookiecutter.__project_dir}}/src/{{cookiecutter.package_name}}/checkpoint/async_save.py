@@ -38,6 +38,10 @@ class SaveJob:
     tensors: dict[str, Any]  # file name -> state holding tensors (main process)
     blobs: dict[str, bytes | memoryview]  # file name -> serialized small file
     prune: bool = True  # False for scratch saves (preflight)
+    # checkpoint.format=sharded: this rank's live state (sharded.state_dicts), which
+    # every rank writes in the main thread, and then the shard files it wrote.
+    shards: tuple[dict, dict] | None = None
+    own_files: list[Path] | None = None
     copied: Any = None  # a CUDA event: the staging copies have landed
     thread: threading.Thread | None = None
     error: BaseException | None = None

@@ -37,6 +37,18 @@ def file_entry(data: bytes | memoryview) -> dict[str, Any]:
     return {HASH: digest(data), "size": memoryview(data).nbytes}
 
 
+def path_entry(path: Path) -> dict[str, Any]:
+    """The manifest entry of a file already on disk (a rank's DCP shard), hashed
+    in chunks: the file is never held in memory whole."""
+    hasher = HASHES[HASH]()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            hasher.update(chunk)
+            size += len(chunk)
+    return {HASH: hasher.hexdigest(), "size": size}
+
+
 def entry_hash(entry: dict[str, Any]) -> tuple[str, str]:
     """(algorithm, hex digest) of a manifest entry; ValueError when it names none we know."""
     named = [name for name in HASHES if isinstance(entry.get(name), str)]

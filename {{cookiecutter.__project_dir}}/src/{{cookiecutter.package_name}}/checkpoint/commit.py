@@ -5,6 +5,7 @@ thread, barriers) and async ones (a background thread, no collectives).
 README: "Checkpoints and resuming".
 """
 
+import json
 import shutil
 from typing import Any
 
@@ -23,6 +24,8 @@ def make_tmp(job: async_save.SaveJob, accelerator: Any) -> OSError | None:
             if job.tmp.exists():
                 shutil.rmtree(job.tmp)
             job.tmp.mkdir()
+            for folder in fmt.SHARD_DIRS if job.shards is not None else ():
+                (job.tmp / folder).mkdir()  # every rank writes its shards there
     except OSError as err:
         failed = err
     accelerator.wait_for_everyone()
@@ -50,11 +53,17 @@ def write_and_commit(
             if job.copied is not None:
                 job.copied.synchronize()  # the staging copies from the GPU have landed
             rng_name = f"rng_rank{acc.process_index}.pt"
+            if job.own_files is not None:  # sharded: this rank hashes the shards it wrote
+                entries = {f"{p.parent.name}/{p.name}": fmt.path_entry(p) for p in job.own_files}
+                hashes = job.tmp / f".files_rank{acc.process_index}.json"
+                fmt.write_file(hashes, json.dumps(entries).encode())
             hidden = job.tmp / f".{rng_name}.part"
             fmt.write_file(hidden, job.blobs.pop(rng_name))
-            hidden.replace(job.tmp / rng_name)
-            if acc.is_main_process:
+            hidden.replace(job.tmp / rng_name)  # after the hashes: it says they are there
+            if acc.is_main_process and job.tensors:
                 files = fmt.write_main_files(job.tmp, job.step, job.tensors, job.blobs)
+            elif acc.is_main_process:
+                files = write_blobs(job)
     except OSError as err:
         failed = err
     if sync:
@@ -67,6 +76,13 @@ def write_and_commit(
             for path in rank_files:  # other ranks fsynced their own file
                 data = path.read_bytes()
                 files[path.name] = fmt.file_entry(data)
+                hashes = path.with_name(f".files_{path.stem.removeprefix('rng_')}.json")
+                if job.own_files is not None:  # the main process gathers every rank's hashes
+                    files.update(json.loads(hashes.read_text()))
+                    hashes.unlink()
+            for folder in fmt.SHARD_DIRS:  # DCP fsynced the shards, not their folders
+                if (job.tmp / folder).is_dir():
+                    fmt.fsync_dir(job.tmp / folder)
             fmt.commit(job.tmp, job.final, job.manifest, files)
             fmt.write_pointers(job.root, job.step, job.new_best)
     except OSError as err:
@@ -78,6 +94,17 @@ def write_and_commit(
     if acc.is_main_process and job.prune:
         best_step = job.best["step"] if job.best is not None else None
         fmt.prune(job.root, job.step, keep_last, best_step)
+
+
+def write_blobs(job: async_save.SaveJob) -> dict[str, dict[str, Any]]:
+    """The main process's small files of a sharded checkpoint (the shards are
+    written already); returns their manifest entries."""
+    files = {}
+    for fname, data in job.blobs.items():
+        with fmt.HashingWriter(job.tmp / fname, fmt.threads("hash")) as out:
+            out.write(data)
+        files[fname] = out.entry
+    return files
 
 
 def write_error(job: async_save.SaveJob, failed: OSError) -> CheckpointError:

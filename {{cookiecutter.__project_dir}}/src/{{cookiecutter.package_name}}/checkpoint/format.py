@@ -4,9 +4,9 @@ No accelerator: unit-testable.
 
 ``step_0000500/`` holds ``model.safetensors``, ``optimizer.pt``, ``scheduler.pt``
 (``scaler.pt``), ``rng_rank{r}.pt``, ``trainer_state.json``, ``config.json`` and,
-written last, ``MANIFEST.json`` (checksum and size of every file, checksums.py).
-Nothing is unpickled beyond ``torch.load(weights_only=True)``. README: "Checkpoints
-and resuming".
+written last, ``MANIFEST.json`` (checksum and size of every file, checksums.py); a
+sharded one (sharded.py) has ``model/`` and ``optimizer/`` shards instead. Nothing is
+unpickled beyond ``torch.load(weights_only=True)``. README: "Checkpoints and resuming".
 """
 
 from __future__ import annotations
@@ -34,7 +34,16 @@ from safetensors.torch import save as save_safetensors
 from ..run_dir import write_json_atomic
 
 # Re-exported: callers name them as format's (fmt.HASH, fmt.file_entry, fmt.sha256).
-from .checksums import HASH, HASHES, HashingWriter, digest, entry_hash, file_entry, sha256  # noqa: F401
+from .checksums import (  # noqa: F401
+    HASH,
+    HASHES,
+    HashingWriter,
+    digest,
+    entry_hash,
+    file_entry,
+    path_entry,
+    sha256,
+)
 
 MANIFEST = "MANIFEST.json"
 FORMAT_VERSION = 1  # unchanged by the hash: each entry names its algorithm
@@ -47,6 +56,15 @@ REQUIRED_FILES = (
     "trainer_state.json",
     "config.json",
 )
+# checkpoint.format=sharded (sharded.py): model/ and optimizer/ hold per-rank shards.
+SHARDED_REQUIRED_FILES = (
+    "optimizer_groups.json",
+    "scheduler.pt",
+    "rng_rank0.pt",
+    "trainer_state.json",
+    "config.json",
+)
+SHARD_DIRS = ("model", "optimizer")
 MIN_KEEP = 2  # checkpoint.keep_last below this is raised: the newest may be half-written
 
 
@@ -91,6 +109,26 @@ def write_file(path: Path, data: bytes | memoryview) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def bad_name(name: str) -> bool:
+    """A manifest name that is not a plain file of the checkpoint (or of one of
+    its shard folders): refused, so nothing outside the checkpoint is read."""
+    parts = name.split("/")
+    if len(parts) > 2 or (len(parts) == 2 and parts[0] not in SHARD_DIRS):
+        return True
+    return any(not part or part.startswith(".") for part in parts)
+
+
+def listing(ckpt: Path) -> list[str]:
+    """Every file of a checkpoint by manifest name (shard folders included)."""
+    names = []
+    for p in ckpt.iterdir():
+        if p.is_dir() and p.name in SHARD_DIRS:
+            names += [f"{p.name}/{q.name}" for q in p.iterdir()]
+        else:
+            names.append(p.name)
+    return names
 
 
 def checkpoint_name(step: int) -> str:
@@ -152,7 +190,11 @@ def read_manifest(ckpt: Path) -> dict[str, Any]:
         int(manifest["step"])
     except (ValueError, KeyError, TypeError, AssertionError) as err:
         raise CheckpointError(f"{path}: not a valid manifest ({err!r})") from err
-    missing = [name for name in REQUIRED_FILES if name not in files]
+    sharded = manifest.get("layout") == "sharded"
+    required = SHARDED_REQUIRED_FILES if sharded else REQUIRED_FILES
+    missing = [name for name in required if name not in files]
+    if sharded and not any(name.startswith("model/") for name in files):
+        missing.append("model/ shard")
     if missing:
         raise CheckpointError(f"{path}: lists no {', '.join(missing)}")
     return manifest
@@ -160,7 +202,7 @@ def read_manifest(ckpt: Path) -> dict[str, Any]:
 
 def _size_checked(ckpt: Path, name: str, expected: dict[str, Any]) -> Path:
     path = ckpt / name
-    if "/" in name or name.startswith("."):
+    if bad_name(name):
         raise CheckpointError(f"{ckpt / MANIFEST}: bad file name {name!r}")
     try:
         size = path.stat().st_size
@@ -207,7 +249,7 @@ def verify_files(
     naming the first bad file; nothing parsed is returned unless every file is intact."""
     manifest = read_manifest(ckpt)
     files = manifest["files"]
-    extra = sorted(p.name for p in ckpt.iterdir() if p.name != MANIFEST and p.name not in files)
+    extra = sorted(n for n in listing(ckpt) if n != MANIFEST and n not in files)
     if extra:
         raise CheckpointError(f"{ckpt}: files not in the manifest: {', '.join(extra)}")
     wanted = list(files) if names is None else [n for n in names if n in files]

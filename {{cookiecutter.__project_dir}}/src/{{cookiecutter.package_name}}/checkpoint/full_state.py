@@ -1,14 +1,48 @@
-"""The model and optimizer state as full tensors, to save and to load, under
-every parallel mode (gathered from and scattered to FSDP shards).
-
-Under FSDP a checkpoint holds the full state, not DCP shards: DCP's metadata
-file is a pickle, which safe loading refuses to unpickle. Full state also loads
-into any world size and exports as is. README: "Checkpoints and resuming".
+"""The model and optimizer state to save and to load, under every parallel
+mode: as full tensors (``checkpoint.format: full``; gathered from and scattered
+to FSDP shards: what DDP and single-process runs use), or, for ``sharded``
+(``auto`` under FSDP), each rank's own shards (sharded.py). Both load into any
+world size and parallel mode. README: "Checkpoints and resuming".
 """
 
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from . import sharded
+
+
+def take(
+    layout: str, accelerator: Any, model: torch.nn.Module, optimizer: Any
+) -> tuple[dict[str, Any], tuple | None, dict[str, bytes]]:
+    """What a save writes, taken now on every rank: the main process's full
+    tensors by file name (``full``; collectives under FSDP), or this rank's
+    shards (``sharded``, for ``sharded.write_job``), and extra small files."""
+    main = accelerator.is_main_process
+    if layout == "sharded":
+        model_sd, optim_tensors, plain = sharded.state_dicts(accelerator, model, optimizer)
+        extra = {sharded.OPTIMIZER_GROUPS: sharded.optimizer_groups_bytes(plain)} if main else {}
+        return {}, (model_sd, optim_tensors), extra
+    state = model_state(accelerator, model), optimizer_state(accelerator, model, optimizer)
+    return ({"model.safetensors": state[0], "optimizer.pt": state[1]} if main else {}), None, {}
+
+
+def restore(
+    layout: str,
+    ckpt: Path,
+    accelerator: Any,
+    model: torch.nn.Module,
+    optimizer: Any,
+    loaded: dict[str, Any],
+) -> None:
+    """Load a verified checkpoint's model and optimizer (``loaded``: its parsed files)."""
+    if layout == "sharded":
+        sharded.load(ckpt, accelerator, model, optimizer, loaded[sharded.OPTIMIZER_GROUPS])
+    else:
+        load_model_and_optimizer(
+            accelerator, model, optimizer, loaded["model.safetensors"], loaded["optimizer.pt"]
+        )
 
 
 def plain_model(accelerator: Any, model: torch.nn.Module) -> torch.nn.Module:

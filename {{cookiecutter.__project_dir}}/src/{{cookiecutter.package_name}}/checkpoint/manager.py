@@ -22,7 +22,7 @@ from safetensors.torch import save as save_safetensors
 
 from ..config import allowed_config_changes, config_differences
 from ..state import Position, TrainState, rng_state, set_rng_state
-from . import async_save, commit, full_state
+from . import async_save, commit, elastic, full_state, sharded
 from . import format as fmt
 from .format import CheckpointError, ConfigMismatch
 
@@ -57,6 +57,12 @@ class CheckpointManager:
         self.accelerator = accelerator
         self.state = state
         self.batches_per_epoch = len(state.train_loader)
+        self.batch_size = elastic.per_process_batch(state.train_loader, accelerator.num_processes)
+        # checkpoint.format: auto = sharded under FSDP (no rank gathers the state), else full
+        layout = str(self.ck.get("format", "auto"))
+        self.layout = (
+            ("sharded" if accelerator.is_fsdp2 else "full") if layout == "auto" else layout
+        )
         self.guard = guard
         self.timeout_s = float(timeout_s or 1800)
         self.best: dict[str, Any] | None = None  # step, value of save_best.monitor
@@ -118,14 +124,12 @@ class CheckpointManager:
         if not self.enabled:
             return Position()
         mode = str(self.ck.get("resume", "auto"))
-        if mode not in ("auto", "never") and fmt.committed_checkpoints(self.dir):
-            target = Path(mode).resolve()
-            if not target.is_relative_to(self.dir.parent.resolve()):
-                log.info(
-                    f"{self.dir} has checkpoints: continuing this run from them "
-                    f"(checkpoint.resume={mode} started it)"
-                )
-                mode = "auto"
+        if elastic.effective_mode(mode, self.dir) != mode:
+            log.info(
+                f"{self.dir} has checkpoints: continuing this run from them "
+                f"(checkpoint.resume={mode} started it)"
+            )
+            mode = "auto"
         if mode == "never":
             existing = fmt.committed_checkpoints(self.dir)
             if existing:
@@ -136,18 +140,13 @@ class CheckpointManager:
                 )
             log.info("checkpoint.resume=never: starting from scratch")
             return Position()
+        candidates = elastic.candidates(mode, self.dir)
+        if mode == "auto" and not candidates:
+            log.info(f"no checkpoint in {self.dir}: starting from scratch")
+            return Position()
+        where = f"checkpoint.resume={mode}"
         if mode == "auto":
-            candidates = fmt.committed_checkpoints(self.dir)
-            if not candidates:
-                log.info(f"no checkpoint in {self.dir}: starting from scratch")
-                return Position()
-            where = f"checkpoint.resume=auto found {len(candidates)} in {self.dir}"
-        else:
-            try:
-                candidates = fmt.find_checkpoints(Path(mode))
-            except CheckpointError as err:
-                raise CheckpointError(f"checkpoint.resume={err}") from None
-            where = f"checkpoint.resume={mode}"
+            where += f" found {len(candidates)} in {self.dir}"
         problems = []
         for ckpt in reversed(candidates):  # newest first
             try:
@@ -193,7 +192,8 @@ class CheckpointManager:
         saved_world = int(manifest.get("world_size", 1))
         rng_name = f"rng_rank{rank % saved_world}.pt"
         names = [n for n in manifest["files"] if not n.startswith("rng_rank")] + [rng_name]
-        loaded = fmt.verify_files(ckpt, names, parse=fmt.parse_file)
+        layout = manifest.get("layout", "full")
+        loaded = fmt.verify_files(ckpt, names, parse=sharded.parse)  # every shard, every rank
         allowed = allowed_config_changes(self.config)
         diffs = config_differences(loaded["config.json"], self.config, allowed)
         if diffs:
@@ -204,19 +204,23 @@ class CheckpointManager:
                 "Start a new run (another run_name, or checkpoint.resume=never), or put "
                 "the keys back. Allowed to change: " + ", ".join(allowed)
             )
+        trainer = loaded["trainer_state.json"]
+        batch, problem = elastic.resume_batch(
+            trainer,
+            saved_world=saved_world,
+            world=world,
+            batch_size=self.batch_size,
+            batches_per_epoch=self.batches_per_epoch,
+        )
         if saved_world != world:
             log.warning(
                 f"{ckpt} was saved with {saved_world} processes, resuming with {world}: "
-                "the run continues, but not bit-exactly"
+                "the same epoch order continues from the same sample, but not bit-exactly"
+                + (f"; {problem}" if problem else "")
             )
-        trainer = loaded["trainer_state.json"]
         try:
-            full_state.load_model_and_optimizer(
-                self.accelerator,
-                self.state.model,
-                self.state.optimizer,
-                loaded["model.safetensors"],
-                loaded["optimizer.pt"],
+            full_state.restore(
+                layout, ckpt, self.accelerator, self.state.model, self.state.optimizer, loaded
             )
             self.state.scheduler.load_state_dict(loaded["scheduler.pt"])
             scaler = getattr(self.accelerator, "scaler", None)
@@ -234,7 +238,7 @@ class CheckpointManager:
             raise ConfigMismatch(f"{ckpt}: the state does not fit this run: {err}") from err
         # At the end of an epoch, batch == batches_per_epoch: train.py skips
         # the whole epoch (nothing left of it) and goes on with the next one.
-        position = Position(int(trainer["step"]), int(trainer["epoch"]), int(trainer["batch"]))
+        position = Position(int(trainer["step"]), int(trainer["epoch"]), batch)
         return position, trainer
 
     # --- save ------------------------------------------------------------------------
@@ -312,7 +316,7 @@ class CheckpointManager:
         new_best = self._pending_best if "best" in reasons else None
         self._pending_best = None
         job = self._stage(step, epoch, batch, reasons, new_best, self.dir, self.asynchronous)
-        failed = commit.make_tmp(job, self.accelerator)
+        failed = self._write_shards(job, commit.make_tmp(job, self.accelerator))
         if new_best is not None:
             self.best = new_best
         self._last_saved_step = step
@@ -339,7 +343,8 @@ class CheckpointManager:
         no best, no change to what ``maybe_save`` and ``finish`` decide."""
         job = self._stage(step, 0, 0, ["preflight"], None, Path(directory), False)
         job.prune = False
-        self._write(job, commit.make_tmp(job, self.accelerator), sync=True)
+        failed = self._write_shards(job, commit.make_tmp(job, self.accelerator))
+        self._write(job, failed, sync=True)
         self.accelerator.wait_for_everyone()
         return job.final
 
@@ -376,12 +381,13 @@ class CheckpointManager:
         acc = self.accelerator
         name = fmt.checkpoint_name(step)
         best = new_best or self.best
-        model_state = full_state.model_state(acc, self.state.model)  # collectives under FSDP
-        optimizer_state = full_state.optimizer_state(acc, self.state.model, self.state.optimizer)
         blobs = {f"rng_rank{acc.process_index}.pt": fmt.torch_bytes(rng_state())}
-        tensors: dict[str, Any] = {}
+        # full: gathered (collectives under FSDP); sharded: this rank's live shards
+        tensors, shards, extra = full_state.take(
+            self.layout, acc, self.state.model, self.state.optimizer
+        )
+        blobs.update(extra)
         if acc.is_main_process:
-            tensors = {"model.safetensors": model_state, "optimizer.pt": optimizer_state}
             blobs.update(self._small_files(step, epoch, batch, best))
         job = async_save.SaveJob(
             name=name,
@@ -402,12 +408,15 @@ class CheckpointManager:
                 "metrics": dict(self._metrics),
                 "best": best,
                 "world_size": acc.num_processes,
+                "grad_accum_steps": acc.gradient_accumulation_steps,
+                "layout": self.layout,
                 "seed": self.config.get("seed"),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "versions": fmt.versions(),
             },
             tensors=tensors,
             blobs=blobs,
+            shards=shards,
         )
         if asynchronous:  # training goes on and changes the live tensors
             job.tensors, job.copied = self._stager.copy(tensors)
@@ -427,6 +436,8 @@ class CheckpointManager:
             "epoch": epoch,
             "batch": batch,
             "batches_per_epoch": self.batches_per_epoch,
+            # the position on any world size (elastic.resume_batch)
+            "samples_in_epoch": batch * self.accelerator.num_processes * self.batch_size,
             "best_checkpoint": best,
             "stateful": {n: s for n, s in extras.items() if n not in tensor_extras},
             # W&B and MLflow run ids (tracking.py): a resume continues those runs.
@@ -445,6 +456,11 @@ class CheckpointManager:
         blobs["trainer_state.json"] = (json.dumps(trainer_state, indent=2) + "\n").encode()
         blobs["config.json"] = (json.dumps(self.config, indent=2) + "\n").encode()
         return blobs
+
+    def _write_shards(self, job: async_save.SaveJob, failed: OSError | None) -> OSError | None:
+        """Sharded: every rank writes its shards now (main thread, collectives;
+        with ``checkpoint.async`` too: the background does hashing and commit)."""
+        return sharded.write_job(job, failed, self.accelerator.process_index)
 
     def _write(self, job: async_save.SaveJob, failed: OSError | None, sync: bool) -> None:
         keep_last = int(self.ck.get("keep_last", 3))

@@ -99,8 +99,13 @@ def round_trip_and_timing(
             started = time.perf_counter()
             sized = ckpt.scratch_save(scratch, start_step + 1)
             result.save_s = time.perf_counter() - started
-            result.checkpoint_bytes = sum(p.stat().st_size for p in sized.iterdir())
-            result.weights_bytes = (sized / "model.safetensors").stat().st_size
+            files = [p for p in sized.rglob("*") if p.is_file()]  # sharded: model/, optimizer/
+            result.checkpoint_bytes = sum(p.stat().st_size for p in files)
+            result.weights_bytes = sum(  # model.safetensors, or the model/ shards
+                p.stat().st_size
+                for p in files
+                if p.name == "model.safetensors" or p.parent.name == "model"
+            )
         except CheckpointError as err:
             if world > 1:
                 raise PreflightFailed(f"preflight checkpoint: {err}") from err

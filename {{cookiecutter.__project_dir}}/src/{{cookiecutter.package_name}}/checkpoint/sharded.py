@@ -1,0 +1,169 @@
+"""Sharded model and optimizer state (``checkpoint.format: sharded``; ``auto`` under FSDP).
+
+Every rank writes only its own shards with torch's distributed checkpoint (DCP)
+and its safetensors storage (``HuggingFaceStorageWriter(save_distributed=True)``):
+``model/`` and ``optimizer/`` hold one ``shard-<rank+1>-...safetensors`` per rank;
+where each shard sits in the full tensor is JSON in the safetensors headers, so
+no DCP ``.metadata`` pickle is written or read. The optimizer's non-tensor values
+(param-group hyperparameters) go to ``optimizer_groups.json``. Loading reads
+every rank's slices from the headers, for any world size and parallel mode
+(``HuggingFaceStorageReader``). No rank ever holds the full state.
+README: "Checkpoints and resuming".
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import full_state
+from .format import SHARD_DIRS, CheckpointError
+
+MODEL_DIR, OPTIMIZER_DIR = SHARD_DIRS
+OPTIMIZER_GROUPS = "optimizer_groups.json"
+# The files DCP's safetensors writer names for rank r (its shard index is r + 1).
+SHARD_NAME = "shard-{index:05d}-model-00001-of-00001.safetensors"
+
+
+def _options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def state_dicts(
+    accelerator: Any, model: torch.nn.Module, optimizer: Any
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """This rank's view of the live state, no gathering: model tensors (DTensor
+    shards under FSDP), optimizer tensors (flattened, ``state.<param>.<key>``)
+    and the optimizer's plain values (``param_groups.<param>.<key>``, for JSON)."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    plain = full_state.plain_model(accelerator, model)
+    model_sd = get_model_state_dict(plain)
+    optim_sd = get_optimizer_state_dict(
+        plain, getattr(optimizer, "optimizer", optimizer), options=_options()
+    )
+    tensors = {k: v for k, v in optim_sd.items() if isinstance(v, torch.Tensor)}
+    plain_values = {k: _jsonable(v) for k, v in optim_sd.items() if k not in tensors}
+    return model_sd, tensors, plain_values
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return list(value)
+    if value is None or isinstance(value, bool | int | float | str | list):
+        return value
+    raise CheckpointError(
+        f"optimizer value {value!r} ({type(value).__name__}) is neither a tensor nor plain "
+        "data: it cannot be saved without a pickle"
+    )
+
+
+def optimizer_groups_bytes(plain_values: dict[str, Any]) -> bytes:
+    return (json.dumps(plain_values, indent=1, sort_keys=True) + "\n").encode()
+
+
+def write(tmp: Path, model_sd: dict[str, Any], optim_tensors: dict[str, Any], step: int) -> None:
+    """Every rank writes its shards into ``tmp/model`` and ``tmp/optimizer``
+    (collectives: DCP plans the save across ranks; replicated tensors are
+    written once). Raises OSError when a rank's write failed (on every rank)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from . import format as fmt
+
+    for directory, state in ((MODEL_DIR, model_sd), (OPTIMIZER_DIR, optim_tensors)):
+        writer = HuggingFaceStorageWriter(str(tmp / directory), save_distributed=True)
+        try:
+            dcp.save(state, storage_writer=writer)
+        except CheckpointException as err:
+            raise OSError(f"a rank could not write its {directory} shards: {err}") from err
+        if directory == MODEL_DIR:
+            fmt.pause_point("between_files", step)
+
+
+def write_job(job: Any, failed: OSError | None, rank: int) -> OSError | None:
+    """Every rank writes a save job's shards (``job.shards``) into ``job.tmp``,
+    then notes the files it wrote (``job.own_files``, hashed by commit.py).
+    Returns the first error instead of raising, as ``commit.make_tmp`` does."""
+    if job.shards is None or failed is not None:
+        return failed
+    if not job.tmp.is_dir():  # the main process failed to make it: every rank skips
+        return FileNotFoundError(2, "not created", str(job.tmp))
+    model_sd, optim_tensors = job.shards
+    job.shards = None  # the live tensors are not kept past the write
+    try:
+        write(job.tmp, model_sd, optim_tensors, job.step)
+    except OSError as err:
+        return err
+    job.own_files = own_files(job.tmp, rank)
+    return None
+
+
+def own_files(tmp: Path, rank: int) -> list[Path]:
+    """The shard files this rank wrote (a rank with nothing to write has none)."""
+    name = SHARD_NAME.format(index=rank + 1)
+    return [tmp / d / name for d in SHARD_DIRS if (tmp / d / name).is_file()]
+
+
+def is_shard(name: str) -> bool:
+    return name.split("/", 1)[0] in SHARD_DIRS and "/" in name
+
+
+def parse(name: str, path: Path) -> Any:
+    """``format.parse_file``, except that shards are only checked (DCP reads them)."""
+    from . import format as fmt
+
+    return check_shard(path) if is_shard(name) else fmt.parse_file(name, path)
+
+
+def check_shard(path: Path) -> None:
+    """A shard's safetensors header parses (JSON; no tensor is read): checked
+    before any live object is touched. Anything else in a shard's place (e.g.
+    a pickle) is refused here and never opened otherwise."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except Exception as err:  # safetensors raises its own error types
+        raise CheckpointError(f"{path}: refused: not a safetensors shard ({err})") from err
+
+
+def load(
+    ckpt: Path,
+    accelerator: Any,
+    model: torch.nn.Module,
+    optimizer: Any,
+    plain_values: dict[str, Any],
+) -> None:
+    """Restore model and optimizer from ``ckpt``'s shards into the live objects,
+    whatever the world size and parallel mode now: each rank reads only the
+    slices of its own shards (collectives under several processes)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    plain = full_state.plain_model(accelerator, model)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    model_sd, optim_tensors, _ = state_dicts(accelerator, model, optimizer)
+    try:
+        dcp.load(model_sd, storage_reader=HuggingFaceStorageReader(str(ckpt / MODEL_DIR)))
+        set_model_state_dict(plain, model_sd)
+        reader = HuggingFaceStorageReader(str(ckpt / OPTIMIZER_DIR))
+        dcp.load(optim_tensors, storage_reader=reader)
+    except CheckpointException as err:  # a BaseException: the caller sees a RuntimeError
+        raise RuntimeError(f"the shards do not fit this model: {err}") from err
+    set_optimizer_state_dict(plain, inner, {**optim_tensors, **plain_values}, options=_options())
