@@ -274,9 +274,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
         "wall_time_s": round(wall, 3),  # the whole run's loop (every attempt), all included
         "steps_per_sec": round(step / wall, 3) if wall > 0 else 0.0,  # over wall_time_s
         # the same run's rates over training time only, and what was left out
-        "rates": throughput.summary(
-            step, wall, clock.excluded_s, samples, tokens, cfg.trainer.grad_accum_steps
-        ),
+        "rates": throughput.summary(step, wall, clock.excluded_s, samples, tokens, grad_accum),
         "metrics": book.last,
         "best": book.best(),
         "resumed_from": ckpt.resumed_from,  # null for a fresh start
