@@ -24,7 +24,7 @@ from {{ cookiecutter.package_name }}.checkpoint.__main__ import main as checkpoi
 from {{ cookiecutter.package_name }}.config import allowed_config_changes, config_differences
 from {{ cookiecutter.package_name }}.data import digits
 
-from .conftest import ENV, PROJECT_ROOT
+from .conftest import ENV, ONE_PROCESS, PROJECT_ROOT
 from .faults import sample_hash
 
 # 1472 training samples (val_fraction 0.1809 of 1797): 23 global batches of
@@ -35,7 +35,7 @@ FSDP = ["parallel=fsdp", "parallel.auto_wrap_min_params=1000"]  # FSDP units of 
 
 
 def train(run_dir: Path, *overrides: str, check: bool = True, **env: str):
-    cmd = [sys.executable, str(PROJECT_ROOT / "train.py"), f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, str(PROJECT_ROOT / "train.py"), f"hydra.run.dir={run_dir}", ONE_PROCESS]
     proc = subprocess.run(
         [*cmd, *overrides],
         cwd=PROJECT_ROOT,
