@@ -322,16 +322,23 @@ def test_baked_project_lints(baked, name):
         assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def run_pytest(python: str, project: Path, *args: str, env: dict | None = None) -> str:
-    proc = subprocess.run(
-        [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
-        cwd=project,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=2700,
-    )
-    out = proc.stdout + proc.stderr
+def run_pytest(
+    python: str, project: Path, *args: str, env: dict | None = None, log: Path | None = None
+) -> str:
+    """pytest in a baked project; its output, also written to ``log`` as it runs
+    (a long suite can be followed with ``tail -f`` and is on disk if it hangs)."""
+    log = log or project.parent / "pytest.log"
+    with log.open("w") as out_file:
+        proc = subprocess.run(
+            [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+            cwd=project,
+            stdout=out_file,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            timeout=2700,
+        )
+    out = log.read_text()
     assert proc.returncode == 0, out[-6000:]
     assert " passed" in out and " failed" not in out
     return out
@@ -389,10 +396,10 @@ def test_default_bake_installs_and_passes_in_a_fresh_venv(baked, tmp_path):
     # resume cases) are `pytest -m slow`. Every test's duration is in the log.
     (REPO / "build").mkdir(exist_ok=True)
     junit = REPO / "build" / "default-bake-junit.xml"
-    out = run_pytest(
-        py, project, "-m", "not slow or ci", "--durations=0", f"--junitxml={junit}", env=clean_env
-    )
-    (REPO / "build" / "default-bake-pytest.log").write_text(out)
+    # -v: the log says which test runs, while it runs
+    selection = ["-m", "not slow or ci", "-v", "--durations=0", f"--junitxml={junit}"]
+    log = REPO / "build" / "default-bake-pytest.log"
+    run_pytest(py, project, *selection, env=clean_env, log=log)
     # The accuracy run ran and passed: not skipped, not deselected (read from the report,
     # not the text, which names every test in its durations).
     cases = {c.get("name"): c for c in ElementTree.parse(junit).iter("testcase")}
