@@ -30,7 +30,9 @@ ACCELERATE += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backe
 
 
 def command(*overrides: str, launcher: list[str] = PYTHON) -> list[str]:
-    return [*launcher, TRAIN, ONE_PROCESS, *overrides]
+    flags = [o for o in overrides if o.startswith("-")]  # -m: Hydra's flags come first
+    rest = [o for o in overrides if not o.startswith("-")]
+    return [*launcher, TRAIN, *flags, ONE_PROCESS, *rest]
 
 
 def run(cwd: Path, *overrides: str, launcher: list[str] = PYTHON) -> subprocess.CompletedProcess:
