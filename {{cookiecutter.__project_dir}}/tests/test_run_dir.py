@@ -141,17 +141,22 @@ def test_the_lock_dies_with_the_run_not_with_its_forked_workers(tmp_path):
     fd = _lock(tmp_path)
     with pytest.raises(RunDirError, match="in use by another training process"):
         _lock(tmp_path)  # a live run holds it
+    ready_r, ready_w = os.pipe()
     worker = os.fork()
     if worker == 0:  # the "worker": outlives the run's lock by far
+        os.write(ready_w, b"1")  # after fork's hooks (they run before fork returns here)
         time.sleep(30)
         os._exit(0)
     try:
+        assert os.read(ready_r, 1) == b"1"  # the worker is up: its at-fork hooks have run
         _unlock(fd)  # the run ends (kill -9 closes its fds the same way)
         _unlock(_lock(tmp_path))  # free at once, though the worker still runs
         assert os.waitpid(worker, os.WNOHANG) == (0, 0)  # still running
     finally:
         os.kill(worker, 9)
         os.waitpid(worker, 0)
+        os.close(ready_r)
+        os.close(ready_w)
 
 
 def test_runs_root_is_the_project_root_whatever_the_working_directory(tmp_path):
