@@ -330,13 +330,21 @@ def run_pytest(
     log = log or project.parent / "pytest.log"
     with log.open("w") as out_file:
         proc = subprocess.run(
-            [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+            [
+                python,
+                "-m",
+                "pytest",
+                *([] if "-v" in args else ["-q"]),
+                "-p",
+                "no:cacheprovider",
+                *args,
+            ],
             cwd=project,
             stdout=out_file,
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
-            timeout=2700,
+            timeout=4200,  # the default bake's suite: ~50 min on 2 cores (CI's limit: 90)
         )
     out = log.read_text()
     assert proc.returncode == 0, out[-6000:]
