@@ -399,8 +399,8 @@ def test_default_bake_installs_and_passes_in_a_fresh_venv(baked, tmp_path):
     # The deepspeed extra, as the project README says for a machine without CUDA.
     pip("--no-build-isolation", "deepspeed>=0.15", "transformers>=4.40", env={"DS_BUILD_OPS": "0"})
     # Everything but the slow tests, except those marked ci (fault injection, the
-    # accuracy run, 20 DDP teardowns, DeepSpeed ZeRO-2, same seed 10x under load):
-    # the rest of the slow ones (SIGUSR1, a compiled GPT, a SLURM time limit, more
+    # accuracy run, 20 DDP teardowns, DeepSpeed ZeRO-2): the rest of the slow ones
+    # (same seed 10x under load, SIGUSR1, a compiled GPT, a SLURM time limit, more
     # resume cases) are `pytest -m slow`. Every test's duration is in the log.
     (REPO / "build").mkdir(exist_ok=True)
     junit = REPO / "build" / "default-bake-junit.xml"
