@@ -116,7 +116,7 @@ def test_same_seed_gives_identical_weights(train_run, num_workers):
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
-@pytest.mark.slow  # ~5 min each on 2 cores: off CI, where the same-seed pair above runs in every bake
+@pytest.mark.slow  # ~5 min each on 2 cores: off CI (the same-seed pair above is in CI)
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_same_seed_is_bit_identical_10_times_under_load(tmp_path, num_workers):
     """The guarantee (README, "Reproducibility"): same seed, same machine, same
