@@ -9,31 +9,21 @@ The model, data, seed and precision come from the run's own config; the command
 line's overrides apply on top. README: "Evaluate, predict, load a model".
 """
 
-import logging
-import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
 from {{ cookiecutter.package_name }} import evaluation
-from {{ cookiecutter.package_name }}.checkpoint import CheckpointError
-from {{ cookiecutter.package_name }}.config import ConfigError, register_resolvers
-from {{ cookiecutter.package_name }}.launch import LaunchError, run
+from {{ cookiecutter.package_name }}.config import register_resolvers
 
-log = logging.getLogger("eval")
 PROJECT_ROOT = Path(__file__).resolve().parent
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="eval")
 def main(raw: DictConfig) -> None:
     register_resolvers(PROJECT_ROOT)
-    try:
-        cfg, out_dir = evaluation.prepare(raw)
-        run(evaluation.evaluate, cfg, out_dir)  # here, or in N spawned workers
-    except (ConfigError, LaunchError, CheckpointError) as err:
-        log.error(str(err))  # exit codes: 2 bad config, 1 failure
-        sys.exit(err.exit_code)
+    evaluation.main(raw, evaluation.evaluate)
 
 
 if __name__ == "__main__":

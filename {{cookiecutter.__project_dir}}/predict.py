@@ -8,31 +8,21 @@ without duplicates. ``python predict.py --help``.
 What a prediction is, the task decides (task.predict). README: "Evaluate, predict, load a model".
 """
 
-import logging
-import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
 from {{ cookiecutter.package_name }} import evaluation
-from {{ cookiecutter.package_name }}.checkpoint import CheckpointError
-from {{ cookiecutter.package_name }}.config import ConfigError, register_resolvers
-from {{ cookiecutter.package_name }}.launch import LaunchError, run
+from {{ cookiecutter.package_name }}.config import register_resolvers
 
-log = logging.getLogger("predict")
 PROJECT_ROOT = Path(__file__).resolve().parent
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="predict")
 def main(raw: DictConfig) -> None:
     register_resolvers(PROJECT_ROOT)
-    try:
-        cfg, out_dir = evaluation.prepare(raw)
-        run(evaluation.predict, cfg, out_dir)  # here, or in N spawned workers
-    except (ConfigError, LaunchError, CheckpointError) as err:
-        log.error(str(err))  # exit codes: 2 bad config, 1 failure
-        sys.exit(err.exit_code)
+    evaluation.main(raw, evaluation.predict)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import contextlib
 import csv
 import dataclasses
 import logging
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +42,24 @@ from .inference import (
     run_config,
     run_values,
 )
+from .launch import LaunchError, run
 from .logs import setup_rank_logging
 from .run_dir import hydra_run_dir, write_json_atomic
 
 log = logging.getLogger(__name__)
 SPLITS = ("val", "test", "train")  # loader attributes of the data module's result
+
+
+def main(raw: DictConfig, work: Callable[[DictConfig, Path], Any]) -> None:
+    """eval.py's and predict.py's body: check and prepare, then ``work``
+    (``evaluate`` or ``predict``) here or in N spawned workers. A known error is
+    one log line and its exit code (2: bad config, 1: a failure)."""
+    try:
+        cfg, out_dir = prepare(raw)
+        run(work, cfg, out_dir)
+    except (ConfigError, LaunchError, CheckpointError) as err:
+        log.error(str(err))
+        sys.exit(err.exit_code)
 
 
 def prepare(raw: DictConfig) -> tuple[DictConfig, Path]:
