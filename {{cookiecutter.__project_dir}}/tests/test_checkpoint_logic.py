@@ -11,7 +11,7 @@ import torch
 import xxhash
 from accelerate import Accelerator
 
-from {{ cookiecutter.package_name }}.checkpoint import CheckpointManager
+from {{ cookiecutter.package_name }}.checkpoint import CheckpointManager, folder
 from {{ cookiecutter.package_name }}.checkpoint import format as fmt
 from {{ cookiecutter.package_name }}.config import (
     ALLOWED_CONFIG_CHANGES,
@@ -25,13 +25,13 @@ from {{ cookiecutter.package_name }}.state import TrainState
 def fake_checkpoint(root: Path, step: int, files: dict[str, bytes] | None = None) -> Path:
     """A committed checkpoint folder with a valid manifest over ``files``."""
     files = files or {name: f"{name} of {step}".encode() for name in fmt.REQUIRED_FILES}
-    tmp = root / f"{fmt.checkpoint_name(step)}.tmp"
+    tmp = root / f"{folder.checkpoint_name(step)}.tmp"
     tmp.mkdir(parents=True)
     entries = {}
     for name, data in files.items():
         (tmp / name).write_bytes(data)
         entries[name] = {"sha256": fmt.sha256(data), "size": len(data)}
-    final = root / fmt.checkpoint_name(step)
+    final = root / folder.checkpoint_name(step)
     fmt.commit(tmp, final, {"step": step, "epoch": 0}, entries)
     return final
 
@@ -93,28 +93,28 @@ def test_find_checkpoints_names_one_or_all(tmp_path):
     root = tmp_path / "run" / "checkpoints"
     ckpts = [fake_checkpoint(root, s) for s in (14, 7)]
     (root / "step_0000021.tmp").mkdir()  # an interrupted save: never a candidate
-    assert fmt.find_checkpoints(tmp_path / "run") == [ckpts[1], ckpts[0]]
-    assert fmt.find_checkpoints(root) == [ckpts[1], ckpts[0]]
-    assert fmt.find_checkpoints(ckpts[0]) == [ckpts[0]]
+    assert folder.find_checkpoints(tmp_path / "run") == [ckpts[1], ckpts[0]]
+    assert folder.find_checkpoints(root) == [ckpts[1], ckpts[0]]
+    assert folder.find_checkpoints(ckpts[0]) == [ckpts[0]]
     with pytest.raises(fmt.CheckpointError, match="no such file or directory"):
-        fmt.find_checkpoints(tmp_path / "nowhere")
+        folder.find_checkpoints(tmp_path / "nowhere")
     with pytest.raises(fmt.CheckpointError, match="an unfinished save"):
-        fmt.find_checkpoints(root / "step_0000021.tmp")
+        folder.find_checkpoints(root / "step_0000021.tmp")
 
 
 def test_pruning_keeps_the_newest_and_the_best(tmp_path):
-    ckpts = [tmp_path / fmt.checkpoint_name(s) for s in (7, 10, 14, 20, 21)]
+    ckpts = [tmp_path / folder.checkpoint_name(s) for s in (7, 10, 14, 20, 21)]
     names = lambda paths: [p.name for p in paths]  # noqa: E731
-    assert names(fmt.to_prune(ckpts, 3, None)) == ["step_0000007", "step_0000010"]
-    assert names(fmt.to_prune(ckpts, 3, 10)) == ["step_0000007"]
-    assert names(fmt.to_prune(ckpts, 1, None)) == names(ckpts[:3])  # never below 2
-    assert fmt.to_prune(ckpts[:1], 1, None) == []  # never the newest
+    assert names(folder.to_prune(ckpts, 3, None)) == ["step_0000007", "step_0000010"]
+    assert names(folder.to_prune(ckpts, 3, 10)) == ["step_0000007"]
+    assert names(folder.to_prune(ckpts, 1, None)) == names(ckpts[:3])  # never below 2
+    assert folder.to_prune(ckpts[:1], 1, None) == []  # never the newest
     root = tmp_path / "real"
     for step in (7, 10, 14):
         fake_checkpoint(root, step)
-    fmt.prune(root, 14, keep_last=2, best_step=None)
+    folder.prune(root, 14, keep_last=2, best_step=None)
     fmt.threads("io").submit(lambda: None).result()  # deletions run in the io pool
-    assert names(fmt.committed_checkpoints(root)) == ["step_0000010", "step_0000014"]
+    assert names(folder.committed_checkpoints(root)) == ["step_0000010", "step_0000014"]
 
 
 def test_config_differences_allow_only_the_listed_keys():

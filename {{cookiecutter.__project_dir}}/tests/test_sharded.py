@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from {{ cookiecutter.package_name }}.checkpoint import elastic
+from {{ cookiecutter.package_name }}.checkpoint import elastic, folder
 from {{ cookiecutter.package_name }}.checkpoint import format as fmt
 from {{ cookiecutter.package_name }}.checkpoint.__main__ import main as checkpoint_cli
 from {{ cookiecutter.package_name }}.config import allowed_config_changes, config_differences
@@ -132,7 +132,7 @@ def test_one_epoch_across_world_sizes_and_modes_sees_every_sample_once(tmp_path)
     outputs = [train(run_dir, *common, *part, SAMPLE_LOG=str(log_dir))[1] for part in parts]
     layouts = {
         step: json.loads(
-            (run_dir / "checkpoints" / fmt.checkpoint_name(step) / fmt.MANIFEST).read_text()
+            (run_dir / "checkpoints" / folder.checkpoint_name(step) / fmt.MANIFEST).read_text()
         )
         for step in (4, 8, 12, 16, 23)
     }
@@ -182,7 +182,7 @@ def test_sharded_fsdp_checkpoints_hold_no_pickle_export_and_refuse_tampering(tmp
     run_dir = tmp_path / "run"
     args = [*COMMON, "trainer.max_steps=15", "checkpoint.every_n_steps=5"]
     train(run_dir, *args, *FSDP, "checkpoint.async=true", "checkpoint.keep_last=3")
-    ckpts = fmt.committed_checkpoints(run_dir / "checkpoints")
+    ckpts = folder.committed_checkpoints(run_dir / "checkpoints")
     assert [c.name for c in ckpts] == ["step_0000005", "step_0000010", "step_0000015"]
 
     # No pickle: safetensors (JSON headers), JSON, and weights-only torch zips only.

@@ -331,7 +331,7 @@ def test_readiness_for_preflight_uses_requires_and_the_wandb_host(
 SHARED_STORE_JOB = """
 import sys
 from pathlib import Path
-from {{ cookiecutter.package_name }}.tracking import MLflowTracker
+from {{ cookiecutter.package_name }}.trackers import MLflowTracker
 
 store, job = sys.argv[1], sys.argv[2]
 tracker = MLflowTracker("sweep", Path(store).parent / job, tracking_uri=f"sqlite:///{store}")

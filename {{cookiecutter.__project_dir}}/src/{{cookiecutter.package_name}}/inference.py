@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from .checkpoint import folder
 from .checkpoint import format as fmt
 from .checkpoint.format import CheckpointError
 from .config import ConfigError, instantiate, require
@@ -51,8 +52,8 @@ def resolve_checkpoint(path: str | Path, pick: str = "best") -> Path:
     ``checkpoints/``): the best one (``best.json``) or the newest (``latest``)."""
     check_choice("pick", pick, PICKS)
     path = Path(path).expanduser().resolve()
-    found = fmt.find_checkpoints(path)  # CheckpointError: no such path, or a *.tmp
-    if len(found) == 1 and (fmt.step_of(path) is not None or (path / fmt.MANIFEST).exists()):
+    found = folder.find_checkpoints(path)  # CheckpointError: no such path, or a *.tmp
+    if len(found) == 1 and (folder.step_of(path) is not None or (path / fmt.MANIFEST).exists()):
         return found[0]
     if not found:
         raise CheckpointError(

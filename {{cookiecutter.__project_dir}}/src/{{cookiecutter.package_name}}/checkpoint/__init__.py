@@ -1,21 +1,17 @@
 """Checkpoints: atomic, verified, safe to load, and a resume that continues bit-exactly.
 
-``format`` (files, manifest, verify, safe load), ``manager`` (when to save, what
-to resume), ``commit`` (the save protocol's writing half), ``async_save``
-(staging, background writer), ``full_state`` (model/optimizer state gathered to
-full tensors), ``sharded`` (per-rank DCP safetensors shards), ``elastic``
-(resuming on another number of processes), ``__main__`` (the list/verify/export
-CLI). README: "Checkpoints and resuming".
+``format`` (one checkpoint's files, manifest, verify, safe load), ``folder``
+(the checkpoints folder: names, pointers, pruning), ``policy`` (when to save),
+``manager`` (saving, what to resume), ``commit`` (the save protocol's writing
+half), ``async_save`` (staging, background writer), ``full_state`` (model and
+optimizer state gathered to full tensors), ``sharded`` (per-rank DCP safetensors
+shards), ``elastic`` (resuming on another number of processes), ``__main__``
+(the list/verify/export CLI). README: "Checkpoints and resuming".
 """
 
 from .elastic import plan_grad_accum
-from .format import (
-    CheckpointError,
-    ConfigMismatch,
-    committed_checkpoints,
-    load_tensors_safely,
-    verify_checkpoint,
-)
+from .folder import committed_checkpoints
+from .format import CheckpointError, ConfigMismatch, load_tensors_safely, verify_checkpoint
 from .manager import CheckpointManager
 
 __all__ = [

@@ -17,9 +17,9 @@ import tempfile
 from pathlib import Path
 
 from . import sharded
+from .folder import find_checkpoints
 from .format import (
     CheckpointError,
-    find_checkpoints,
     parse_file,
     read_manifest,
     verify_checkpoint,
@@ -30,7 +30,7 @@ from .format import (
 
 
 def _resolve_many(path: Path) -> list[Path]:
-    """The checkpoints a path names (format.find_checkpoints); none when it names none."""
+    """The checkpoints a path names (folder.find_checkpoints); none when it names none."""
     try:
         return find_checkpoints(path)
     except CheckpointError as err:

@@ -9,7 +9,7 @@ import json
 import shutil
 from typing import Any
 
-from . import async_save
+from . import async_save, folder
 from . import format as fmt
 from .format import CheckpointError
 
@@ -24,8 +24,8 @@ def make_tmp(job: async_save.SaveJob, accelerator: Any) -> OSError | None:
             if job.tmp.exists():
                 shutil.rmtree(job.tmp)
             job.tmp.mkdir()
-            for folder in fmt.SHARD_DIRS if job.shards is not None else ():
-                (job.tmp / folder).mkdir()  # every rank writes its shards there
+            for shard_dir in fmt.SHARD_DIRS if job.shards is not None else ():
+                (job.tmp / shard_dir).mkdir()  # every rank writes its shards there
     except OSError as err:
         failed = err
     accelerator.wait_for_everyone()
@@ -80,11 +80,11 @@ def write_and_commit(
                 if job.own_files is not None:  # the main process gathers every rank's hashes
                     files.update(json.loads(hashes.read_text()))
                     hashes.unlink()
-            for folder in fmt.SHARD_DIRS:  # DCP fsynced the shards, not their folders
-                if (job.tmp / folder).is_dir():
-                    fmt.fsync_dir(job.tmp / folder)
+            for shard_dir in fmt.SHARD_DIRS:  # DCP fsynced the shards, not their folders
+                if (job.tmp / shard_dir).is_dir():
+                    fmt.fsync_dir(job.tmp / shard_dir)
             fmt.commit(job.tmp, job.final, job.manifest, files)
-            fmt.write_pointers(job.root, job.step, job.new_best)
+            folder.write_pointers(job.root, job.step, job.new_best)
     except OSError as err:
         failed = err
     if failed is not None:
@@ -93,7 +93,7 @@ def write_and_commit(
         raise write_error(job, failed) from failed
     if acc.is_main_process and job.prune:
         best_step = job.best["step"] if job.best is not None else None
-        fmt.prune(job.root, job.step, keep_last, best_step)
+        folder.prune(job.root, job.step, keep_last, best_step)
 
 
 def write_blobs(job: async_save.SaveJob) -> dict[str, dict[str, Any]]:

@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from . import folder
 from . import format as fmt
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ def grad_accum_for(
 def effective_mode(mode: str, own_dir: Path) -> str:
     """``checkpoint.resume`` as it applies now: once this run dir has checkpoints
     of its own, a path outside it only started the run (``auto`` continues)."""
-    if mode in ("auto", "never") or not fmt.committed_checkpoints(own_dir):
+    if mode in ("auto", "never") or not folder.committed_checkpoints(own_dir):
         return mode
     inside = Path(mode).resolve().is_relative_to(own_dir.parent.resolve())
     return mode if inside else "auto"
@@ -83,9 +84,9 @@ def effective_mode(mode: str, own_dir: Path) -> str:
 def candidates(mode: str, own_dir: Path) -> list[Path]:
     """The checkpoints (oldest first) a resume with ``mode`` (auto or a path) tries."""
     if mode == "auto":
-        return fmt.committed_checkpoints(own_dir)
+        return folder.committed_checkpoints(own_dir)
     try:
-        return fmt.find_checkpoints(Path(mode))
+        return folder.find_checkpoints(Path(mode))
     except fmt.CheckpointError as err:
         raise fmt.CheckpointError(f"checkpoint.resume={err}") from None
 

@@ -1,4 +1,4 @@
-"""The checkpoint on disk: layout, manifest, the commit and pruning steps,
+"""One checkpoint on disk: its files, the manifest, the commit step,
 verification and safe loading (each file read once; checksums in checksums.py).
 No accelerator: unit-testable.
 
@@ -18,9 +18,7 @@ import mmap
 import os
 import pickle
 import platform
-import re
 import shutil
-import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,8 +28,6 @@ import numpy as np
 import torch
 from safetensors.torch import load_file as load_safetensors_file
 from safetensors.torch import save as save_safetensors
-
-from ..run_dir import write_json_atomic
 
 # Re-exported: callers name them as format's (fmt.HASH, fmt.file_entry, fmt.sha256).
 from .checksums import (  # noqa: F401
@@ -47,7 +43,6 @@ from .checksums import (  # noqa: F401
 
 MANIFEST = "MANIFEST.json"
 FORMAT_VERSION = 1  # unchanged by the hash: each entry names its algorithm
-STEP_DIR = re.compile(r"^step_(\d+)$")
 REQUIRED_FILES = (
     "model.safetensors",
     "optimizer.pt",
@@ -65,7 +60,6 @@ SHARDED_REQUIRED_FILES = (
     "config.json",
 )
 SHARD_DIRS = ("model", "optimizer")
-MIN_KEEP = 2  # checkpoint.keep_last below this is raised: the newest may be half-written
 
 
 class CheckpointError(RuntimeError):
@@ -129,36 +123,6 @@ def listing(ckpt: Path) -> list[str]:
         else:
             names.append(p.name)
     return names
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step_{step:07d}"
-
-
-def step_of(path: Path) -> int | None:
-    match = STEP_DIR.match(path.name)
-    return int(match.group(1)) if match else None
-
-
-def committed_checkpoints(root: Path) -> list[Path]:
-    """``step_*`` folders in ``root`` (no ``*.tmp``), oldest first."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None]
-    return sorted(found, key=step_of)
-
-
-def find_checkpoints(path: Path) -> list[Path]:
-    """What a path names: one checkpoint, or the committed ones of a
-    checkpoints dir or of a run dir (oldest first)."""
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such file or directory")
-    if path.name.endswith(".tmp"):
-        raise CheckpointError(f"{path}: an unfinished save, not a checkpoint")
-    if step_of(path) is not None or (path / MANIFEST).exists():
-        return [path]  # exactly this checkpoint
-    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    return committed_checkpoints(root)
 
 
 def versions() -> dict[str, str]:
@@ -423,62 +387,3 @@ def commit(
     else:
         os.replace(tmp, final)  # the commit
     fsync_dir(final.parent)
-
-
-def write_pointers(root: Path, step: int, new_best: dict[str, Any] | None) -> None:
-    """``latest.json`` (and ``best.json`` for a new best), replaced atomically."""
-    pause_point("before_pointers", step)
-    pointer = {"step": step, "path": checkpoint_name(step)}
-    write_json_atomic(root / "latest.json", pointer)
-    if new_best is not None:
-        write_json_atomic(root / "best.json", {**pointer, **new_best})
-    fsync_dir(root)
-
-
-def to_prune(ckpts: list[Path], keep_last: int, best_step: int | None) -> list[Path]:
-    """Which committed checkpoints (oldest first) pruning removes: all but the
-    ``keep_last`` (at least MIN_KEEP) newest and the best; never the newest."""
-    keep = {p.name for p in ckpts[-max(MIN_KEEP, keep_last) :]}
-    if best_step is not None:
-        keep.add(checkpoint_name(best_step))
-    return [ckpt for ckpt in ckpts[:-1] if ckpt.name not in keep]
-
-
-def prune(root: Path, step: int, keep_last: int, best_step: int | None) -> None:
-    """Remove what ``to_prune`` says; runs only after a commit. Rename first
-    (atomic), then delete: a crash mid-delete leaves a ``*.tmp`` folder (removed
-    at the next start), never a half checkpoint. Deleting does not block."""
-    for ckpt in to_prune(committed_checkpoints(root), keep_last, best_step):
-        doomed = ckpt.with_name(f"{ckpt.name}.pruned.tmp")
-        os.replace(ckpt, doomed)
-        pause_point("pruning", step)
-        threads("io").submit(shutil.rmtree, doomed, ignore_errors=True)
-
-
-def remove_stale_tmp(root: Path) -> list[Path]:
-    """Remove what interrupted saves left (``*.tmp``); returns the folders removed."""
-    if not root.is_dir():
-        return []
-    removed = []
-    for path in root.glob("*.tmp"):
-        removed.append(path)
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-    for path in root.glob(".*.tmp"):
-        path.unlink(missing_ok=True)
-    return removed
-
-
-def set_aside_newer_than(root: Path, step: int) -> list[tuple[Path, Path]]:
-    """Rename (never delete) the checkpoints newer than ``step``, so that resuming
-    and pruning never mix two timelines. Returns (old, new) paths."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    moved = []
-    for ckpt in committed_checkpoints(root):
-        if step_of(ckpt) > step:
-            target = ckpt.with_name(f"{ckpt.name}.superseded-{stamp}")
-            os.replace(ckpt, target)
-            moved.append((ckpt, target))
-    return moved

@@ -1,4 +1,5 @@
-"""When to save, what to resume, and the commit protocol (README: "Checkpoints and resuming").
+"""Saving when policy.py says so, what to resume, and the commit protocol
+(README: "Checkpoints and resuming").
 
 Protocol: every rank writes into ``step_N.tmp/`` -> barrier -> the main process
 fsyncs, writes MANIFEST.json, renames to ``step_N/``, fsyncs, replaces the
@@ -22,7 +23,7 @@ from safetensors.torch import save as save_safetensors
 
 from ..config import allowed_config_changes, config_differences
 from ..state import Position, TrainState, rng_state, set_rng_state
-from . import async_save, commit, elastic, full_state, sharded
+from . import async_save, commit, elastic, folder, full_state, policy, sharded
 from . import format as fmt
 from .format import CheckpointError, ConfigMismatch
 
@@ -78,7 +79,7 @@ class CheckpointManager:
         self._in_flight: async_save.SaveJob | None = None  # at most one save
         if self.enabled:
             if accelerator.is_main_process:
-                for path in fmt.remove_stale_tmp(self.dir):
+                for path in folder.remove_stale_tmp(self.dir):
                     log.warning(f"removed {path}: left by an interrupted save")
             accelerator.wait_for_everyone()
 
@@ -87,27 +88,14 @@ class CheckpointManager:
     def planned_saves(
         self, total: int, start: int, *, steps_per_epoch: int, evaluations: set[int]
     ) -> set[int]:
-        """Steps in (start, total] that may save (a new best: at most every evaluation)."""
-        if not self.enabled or start >= total:
-            return set()
-
-        def multiples(k: int | None) -> set[int]:
-            return set(range((start // k + 1) * k, total + 1, k)) if k else set()
-
-        saves = multiples(self.ck.get("every_n_steps"))
-        if self.ck.get("every_n_epochs"):
-            saves |= multiples(self.ck["every_n_epochs"] * steps_per_epoch)
-        if (self.ck.get("save_best") or {}).get("enabled", False):
-            saves |= evaluations
-        if self.ck.get("save_last", True):
-            saves.add(total)
-        return saves
+        """Steps in (start, total] that may save (policy.planned_saves)."""
+        return policy.planned_saves(
+            self.ck, total, start, steps_per_epoch=steps_per_epoch, evaluations=evaluations
+        )
 
     def kept_on_disk(self) -> tuple[int, str]:
-        """How many checkpoints can be on disk at once, and why that many."""
-        keep = max(fmt.MIN_KEEP, int(self.ck.get("keep_last", 3)))
-        best = 1 if (self.ck.get("save_best") or {}).get("enabled", False) else 0
-        return keep + best + 1, f"keep_last {keep}{' + best' if best else ''} + 1 in flight"
+        """How many checkpoints can be on disk at once, and why (policy.kept_on_disk)."""
+        return policy.kept_on_disk(self.ck)
 
     # --- resume ----------------------------------------------------------------------
 
@@ -131,7 +119,7 @@ class CheckpointManager:
             )
             mode = "auto"
         if mode == "never":
-            existing = fmt.committed_checkpoints(self.dir)
+            existing = folder.committed_checkpoints(self.dir)
             if existing:
                 raise CheckpointError(
                     f"checkpoint.resume=never, but {self.dir} already holds checkpoints "
@@ -161,7 +149,7 @@ class CheckpointManager:
             self._position = self.state.position = position
             self.accelerator.wait_for_everyone()  # every rank chose before anything moves
             if self.accelerator.is_main_process:
-                for old, new in fmt.set_aside_newer_than(self.dir, position.step):
+                for old, new in folder.set_aside_newer_than(self.dir, position.step):
                     log.warning(f"{old.name} is newer than the resumed checkpoint: moved to {new}")
             log.info(
                 f"resumed from {ckpt}: step {position.step}, epoch {position.epoch + 1}, "
@@ -257,16 +245,16 @@ class CheckpointManager:
             return None
         if self._in_flight is not None and not self._in_flight.thread.is_alive():
             self.wait()  # done: a failure surfaces now rather than at the next save
-        reasons = []
-        every_steps, every_epochs = self.ck.get("every_n_steps"), self.ck.get("every_n_epochs")
-        if every_steps and step % every_steps == 0:
-            reasons.append("every_n_steps")
-        if every_epochs and batch == self.batches_per_epoch and (epoch + 1) % every_epochs == 0:
-            reasons.append("every_n_epochs")
-        if self._is_new_best(step, fresh):
-            reasons.append("best")
-        if self.ck.get("save_on_signal", True) and stop:
-            reasons.append("signal")
+        self._pending_best = policy.new_best(self.ck, step, fresh, self.best)
+        reasons = policy.save_reasons(
+            self.ck,
+            step=step,
+            epoch=epoch,
+            batch=batch,
+            batches_per_epoch=self.batches_per_epoch,
+            is_new_best=self._pending_best is not None,
+            stop=stop,
+        )
         if not reasons or self._last_saved_step == step:
             return None
         return self.save(step, epoch, batch, reasons)
@@ -283,25 +271,6 @@ class CheckpointManager:
         if self.enabled and self.asynchronous:
             self.wait()
             self.accelerator.wait_for_everyone()  # the main process has committed
-
-    def _is_new_best(self, step: int, fresh: dict) -> bool:
-        best_cfg = self.ck.get("save_best") or {}
-        monitor = best_cfg.get("monitor")
-        if not best_cfg.get("enabled", False) or monitor not in fresh:
-            return False
-        value = fresh[monitor]
-        if value != value:  # NaN never improves
-            return False
-        if self.best is not None:
-            better = (
-                value > self.best["value"]
-                if best_cfg["mode"] == "max"
-                else value < self.best["value"]
-            )
-            if not better:
-                return False
-        self._pending_best = {"step": step, "monitor": monitor, "value": value}
-        return True
 
     def save(self, step: int, epoch: int, batch: int, reasons: list[str]) -> Path:
         """Write one checkpoint with the atomic protocol (module docstring).
@@ -379,7 +348,7 @@ class CheckpointManager:
         model, optimizer; copied when async) and small files as bytes. In the
         main thread on every rank: FSDP gathers the state here (collectives)."""
         acc = self.accelerator
-        name = fmt.checkpoint_name(step)
+        name = folder.checkpoint_name(step)
         best = new_best or self.best
         blobs = {f"rng_rank{acc.process_index}.pt": fmt.torch_bytes(rng_state())}
         # full: gathered (collectives under FSDP); sharded: this rank's live shards

@@ -1,0 +1,87 @@
+"""When to save: the rules of ``cfg.checkpoint`` (every N steps, every N epochs, a
+new best of ``save_best.monitor``, a stop signal, the last step) and how many
+checkpoints can be on disk at once. Plain functions of the config section: the
+manager applies them at every step, preflight asks them for the plan.
+README: "Checkpoints and resuming".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .folder import MIN_KEEP
+
+
+def _best_rule(ck: dict[str, Any]) -> dict[str, Any]:
+    rule = ck.get("save_best") or {}
+    return rule if rule.get("enabled", False) else {}
+
+
+def new_best(
+    ck: dict[str, Any], step: int, fresh: dict[str, float], best: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """The new best record when ``fresh`` (metrics logged at ``step``) improves on
+    ``best`` in ``save_best.monitor``; None otherwise (NaN never improves)."""
+    rule = _best_rule(ck)
+    monitor = rule.get("monitor")
+    if not rule or monitor not in fresh:
+        return None
+    value = fresh[monitor]
+    if value != value:
+        return None
+    if best is not None:
+        better = value > best["value"] if rule["mode"] == "max" else value < best["value"]
+        if not better:
+            return None
+    return {"step": step, "monitor": monitor, "value": value}
+
+
+def save_reasons(
+    ck: dict[str, Any],
+    *,
+    step: int,
+    epoch: int,
+    batch: int,
+    batches_per_epoch: int,
+    is_new_best: bool,
+    stop: bool,
+) -> list[str]:
+    """Why a checkpoint is due at this optimizer-step boundary (empty: it is not)."""
+    reasons = []
+    every_steps, every_epochs = ck.get("every_n_steps"), ck.get("every_n_epochs")
+    if every_steps and step % every_steps == 0:
+        reasons.append("every_n_steps")
+    if every_epochs and batch == batches_per_epoch and (epoch + 1) % every_epochs == 0:
+        reasons.append("every_n_epochs")
+    if is_new_best:
+        reasons.append("best")
+    if ck.get("save_on_signal", True) and stop:
+        reasons.append("signal")
+    return reasons
+
+
+def planned_saves(
+    ck: dict[str, Any], total: int, start: int, *, steps_per_epoch: int, evaluations: set[int]
+) -> set[int]:
+    """Steps in (start, total] that may save (a new best: at most every evaluation)."""
+    if not ck.get("enabled", False) or start >= total:
+        return set()
+
+    def multiples(k: int | None) -> set[int]:
+        return set(range((start // k + 1) * k, total + 1, k)) if k else set()
+
+    saves = multiples(ck.get("every_n_steps"))
+    if ck.get("every_n_epochs"):
+        saves |= multiples(ck["every_n_epochs"] * steps_per_epoch)
+    if _best_rule(ck):
+        saves |= evaluations
+    if ck.get("save_last", True):
+        saves.add(total)
+    return saves
+
+
+def kept_on_disk(ck: dict[str, Any]) -> tuple[int, str]:
+    """How many checkpoints can be on disk at once, and why that many."""
+    keep = max(MIN_KEEP, int(ck.get("keep_last", 3)))
+    best = 1 if _best_rule(ck) else 0
+    return keep + best + 1, f"keep_last {keep}{' + best' if best else ''} + 1 in flight"
