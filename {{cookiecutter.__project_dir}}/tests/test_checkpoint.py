@@ -529,30 +529,41 @@ def test_cli_list_verify_export(reference, tmp_path, capsys):
 # --- fault injection -----------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-@pytest.mark.ci
-def test_sigkill_at_many_moments_always_resumes_to_the_same_weights(reference, tmp_path):
-    """Up to 24 SIGKILLs (19 at pause points, 5 at random moments): during saves
-    (between files, before the rename, before the pointers, while pruning) and
-    at random times. After each, every committed checkpoint must be valid; each
-    run is then finished by restarting the same command and must end with the
-    uninterrupted run's weights."""
-    rng = random.Random(0)
-    ref = reference(0)
-    kills = 0
-    # (moment, step) per kill; each trial is one run dir killed three times,
-    # then run to the end. A random kill comes within 50 ms of a new checkpoint;
-    # "pruning" pauses at the first deletion of an old checkpoint.
-    trials = [
+# (moment, step) per kill; each trial is one run dir killed three times, then
+# run to the end. A random kill comes within 50 ms of a new checkpoint;
+# "pruning" pauses at the first deletion of an old checkpoint. Two halves of 4
+# trials (12 kills each): CI runs the first, which kills at every moment at
+# least twice (about 200 s on 2 cores); `pytest -m slow` runs both (24 kills).
+SIGKILL_TRIALS = {
+    "every_moment_twice": [
         [("between_files", 7), ("before_rename", 21), ("random", None)],
         [("before_rename", 14), ("between_files", 35), ("before_pointers", 49)],
+        [("pruning", None), ("between_files", 77), ("random", None)],
+        [("between_files", 14), ("before_pointers", 28), ("pruning", None)],
+    ],
+    "more_steps": [
         [("before_pointers", 7), ("between_files", 63), ("random", None)],
         [("random", None), ("before_rename", 56), ("before_pointers", 70)],
         [("between_files", 28), ("before_pointers", 42), ("before_rename", 70)],
-        [("pruning", None), ("between_files", 77), ("random", None)],
         [("before_rename", 7), ("random", None), ("before_pointers", 77)],
-        [("between_files", 14), ("before_pointers", 28), ("pruning", None)],
-    ]
+    ],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "half", [pytest.param("every_moment_twice", marks=pytest.mark.ci), "more_steps"]
+)
+def test_sigkill_at_many_moments_always_resumes_to_the_same_weights(reference, tmp_path, half):
+    """Up to 12 SIGKILLs per half (about 10 at pause points, 2 at random moments):
+    during saves (between files, before the rename, before the pointers, while
+    pruning) and at random times. After each, every committed checkpoint must be
+    valid; each run is then finished by restarting the same command and must end
+    with the uninterrupted run's weights."""
+    rng = random.Random(0)
+    ref = reference(0)
+    kills = 0
+    trials = SIGKILL_TRIALS[half]
     for trial, moments in enumerate(trials):
         run = tmp_path / f"trial{trial}"
         for moment, step in moments:
@@ -589,4 +600,4 @@ def test_sigkill_at_many_moments_always_resumes_to_the_same_weights(reference, t
         assert not list((run / "checkpoints").glob("*.tmp"))
         assert_same_weights(run, ref)
     print(f"{kills} SIGKILLs in {len(trials)} runs: every resume matched the reference")
-    assert kills >= 20
+    assert kills >= 10  # a random kill may come after a later planned step, or not at all
