@@ -72,7 +72,14 @@ def sidecar(path: str, key: str) -> Any:
 def resolve_config(cfg: DictConfig) -> DictConfig:
     """A fully resolved copy with no ``${...}`` left and no link to Hydra, in
     struct mode so a typo in a key still fails loudly."""
-    container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    from omegaconf.errors import InterpolationResolutionError
+
+    try:
+        container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except InterpolationResolutionError as err:
+        if isinstance(err.__cause__, ConfigError):  # a resolver's own clear error (sidecar)
+            raise err.__cause__ from None
+        raise
     resolved = OmegaConf.create(container)
     OmegaConf.set_struct(resolved, True)
     return resolved

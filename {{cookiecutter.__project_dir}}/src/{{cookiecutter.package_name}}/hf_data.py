@@ -6,6 +6,7 @@ Needs the ``hf`` extra (``pip install -e '.[hf]'``). README: "Your own data".
 
 from typing import Any
 
+import torch
 from torch.utils.data import Dataset
 
 from .config import ConfigError, require
@@ -16,22 +17,28 @@ FORMATS = ("csv", "json", "parquet", "arrow", "disk")
 
 
 class Columns(Dataset):
-    """A ``datasets.Dataset`` in torch format as ``(inputs, targets)`` samples."""
+    """A ``datasets.Dataset`` in torch format as ``(inputs, targets)`` samples;
+    several input columns (a table's features) are stacked along the last axis."""
 
-    def __init__(self, table: Any, inputs: str, targets: str) -> None:
+    def __init__(self, table: Any, inputs: list[str], targets: str) -> None:
         self.table, self.inputs, self.targets = table, inputs, targets
 
     def __len__(self) -> int:
         return len(self.table)
 
+    def _inputs(self, rows: dict) -> Any:
+        if len(self.inputs) == 1:
+            return rows[self.inputs[0]]
+        return torch.stack([rows[c].float() for c in self.inputs], dim=-1)
+
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         row = self.table[int(index)]
-        return row[self.inputs], row[self.targets]
+        return self._inputs(row), row[self.targets]
 
     def __getitems__(self, indices: list[int]) -> list[tuple[Any, Any]]:
         # One Arrow read per batch instead of one per sample (DataLoader uses this).
         rows = self.table[list(indices)]
-        return list(zip(rows[self.inputs], rows[self.targets], strict=True))
+        return list(zip(self._inputs(rows), rows[self.targets], strict=True))
 
 
 def hf(
@@ -39,7 +46,7 @@ def hf(
     seed: int,
     format: str,
     train_files: str | list[str],
-    inputs: str,
+    inputs: str | list[str],
     targets: str,
     val_files: str | list[str] | None = None,
     val_fraction: float = 0.2,
@@ -54,8 +61,9 @@ def hf(
     """``format`` reads ``train_files`` (and ``val_files``; null: a fixed
     ``val_fraction`` of the training rows, split with ``split_seed``). With
     ``format=disk``, ``train_files`` is a ``save_to_disk`` directory: a Dataset, or a
-    DatasetDict whose ``train_split``/``val_split`` are used. ``inputs`` and
-    ``targets`` name the columns."""
+    DatasetDict whose ``train_split``/``val_split`` are used. ``inputs`` names the
+    column (or a list of columns, stacked) the model is called with, ``targets`` the
+    column of what it predicts."""
     if format not in FORMATS:
         hub = "/" in str(format) or str(format).isidentifier()
         raise ConfigError(
@@ -85,18 +93,20 @@ def hf(
     if val is None:
         parts = train.train_test_split(test_size=val_fraction, seed=split_seed, shuffle=True)
         train, val = parts["train"], parts["test"]
-    for key, column in [("inputs", inputs), ("targets", targets)]:
+    columns = [inputs] if isinstance(inputs, str) else [str(c) for c in inputs]
+    for key, value, names in [("inputs", inputs, columns), ("targets", targets, [targets])]:
+        unknown = [c for c in names if c not in train.column_names]
         require(
             f"data.{key}",
-            column,
-            column in train.column_names,
+            value if isinstance(value, str) else names,
+            not unknown and bool(names),
             f"a column of {train_files}; it has: {', '.join(train.column_names)}",
         )
     for table in (train, val):
-        table.set_format("torch", columns=[inputs, targets])
+        table.set_format("torch", columns=[*columns, targets])
     return make_loaders(
-        Columns(train, inputs, targets),
-        Columns(val, inputs, targets),
+        Columns(train, columns, targets),
+        Columns(val, columns, targets),
         batch_size=batch_size,
         val_batch_size=val_batch_size,
         seed=seed,

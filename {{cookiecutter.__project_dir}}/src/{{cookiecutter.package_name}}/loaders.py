@@ -1,6 +1,8 @@
 """The data contract: what a data function returns (``DataLoaders``) and the one
 helper that builds loaders with the rules that keep runs reproducible and resumable
-(``make_loaders``). README: "Your own data".
+(``make_loaders``), and what the loop asks of a loader: its length (none for a
+stream: ``run_length``) and where a resumed epoch continues (``continue_epoch``).
+README: "Your own data".
 
 A data function (``configs/data/<name>.yaml``'s ``_target_``) takes its YAML keys as
 arguments, including ``batch_size`` and ``seed: ${seed}``, and returns
@@ -8,12 +10,15 @@ arguments, including ``batch_size`` and ``seed: ${seed}``, and returns
 (the examples: ``(inputs, targets)``).
 """
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from accelerate import skip_first_batches
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from .config import require
+from .config import ConfigError, require
 from .seeding import seed_worker
 
 
@@ -59,7 +64,9 @@ def make_loaders(
         # moves them with non_blocking=True); pointless without a GPU.
         "pin_memory": torch.cuda.is_available() if pin_memory is None else pin_memory,
         "worker_init_fn": seed_worker,
-        "persistent_workers": num_workers > 0,  # no worker start-up every epoch
+        # No worker start-up every epoch; but a stream's workers are started per epoch,
+        # so that each gets the dataset's epoch and resume point (set_epoch, skip).
+        "persistent_workers": num_workers > 0 and not isinstance(train_set, IterableDataset),
     }
     train = DataLoader(
         train_set,
@@ -80,6 +87,51 @@ def make_loaders(
         **common,
     )
     return DataLoaders(train=train, val=val)
+
+
+def batches_per_epoch(loader: Any) -> int | None:
+    """Micro-batches of one epoch on this process; None for a stream (no length)."""
+    try:
+        return len(loader)
+    except TypeError:  # an IterableDataset without __len__
+        return None
+
+
+def run_length(
+    *, max_steps: int | None, max_epochs: int, batches: int | None, grad_accum: int
+) -> tuple[int | None, int, int]:
+    """(optimizer steps per epoch or None, total steps, epochs to loop over). A
+    stream has no length, so ``trainer.max_steps`` sets the run's; its epochs are
+    passes over the stream (every pass of a finite one holds at least one step)."""
+    if batches is None:
+        if not max_steps:
+            raise ConfigError(
+                f"trainer.max_steps={max_steps!r} is not allowed with a training set that has "
+                "no length (an IterableDataset, a stream): expected trainer.max_steps=N, "
+                "the run's length in optimizer steps"
+            )
+        return None, max_steps, max_steps
+    per_epoch = math.ceil(batches / grad_accum)
+    total = max_steps or max_epochs * per_epoch
+    return per_epoch, total, math.ceil(total / per_epoch)
+
+
+def continue_epoch(loader: Any, *, epoch: int, batches_done: int, num_processes: int) -> Any:
+    """The loader for the rest of an epoch of which this process already trained
+    ``batches_done`` micro-batches. A dataset with ``skip(epoch, samples)`` (a stream,
+    e.g. ``token_file.TokenStream``) is asked to continue after that many samples of
+    the whole run's stream; any other loader reads the first batches again and drops
+    them (accelerate's ``skip_first_batches``)."""
+    if not batches_done:
+        return loader
+    dataset = getattr(loader, "dataset", None)
+    dataset = getattr(dataset, "dataset", dataset)  # accelerate's IterableDatasetShard
+    if hasattr(dataset, "skip"):
+        # Every process's micro-batch came from the one stream (the main process reads
+        # them all for a stream: accelerate's dispatch), loader.batch_size per process.
+        dataset.skip(epoch, batches_done * loader.batch_size * num_processes)
+        return loader
+    return skip_first_batches(loader, batches_done)
 
 
 def _is_int(v) -> bool:

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save as save_safetensors
 
 from ..config import allowed_config_changes, config_differences
+from ..loaders import batches_per_epoch
 from ..state import Position, TrainState, rng_state, set_rng_state
 from . import async_save, commit, elastic, full_state, sharded
 from . import format as fmt
@@ -56,7 +57,7 @@ class CheckpointManager:
         self.dir = Path(run_dir) / "checkpoints"
         self.accelerator = accelerator
         self.state = state
-        self.batches_per_epoch = len(state.train_loader)
+        self.batches_per_epoch = batches_per_epoch(state.train_loader)  # None: a stream
         self.batch_size = elastic.per_process_batch(state.train_loader, accelerator.num_processes)
         # checkpoint.format: auto = sharded under FSDP (no rank gathers the state), else full
         layout = str(self.ck.get("format", "auto"))
@@ -85,7 +86,7 @@ class CheckpointManager:
     # --- what preflight asks -----------------------------------------------------------
 
     def planned_saves(
-        self, total: int, start: int, *, steps_per_epoch: int, evaluations: set[int]
+        self, total: int, start: int, *, steps_per_epoch: int | None, evaluations: set[int]
     ) -> set[int]:
         """Steps in (start, total] that may save (a new best: at most every evaluation)."""
         if not self.enabled or start >= total:
@@ -95,7 +96,7 @@ class CheckpointManager:
             return set(range((start // k + 1) * k, total + 1, k)) if k else set()
 
         saves = multiples(self.ck.get("every_n_steps"))
-        if self.ck.get("every_n_epochs"):
+        if self.ck.get("every_n_epochs") and steps_per_epoch:  # a stream has no epoch length
             saves |= multiples(self.ck["every_n_epochs"] * steps_per_epoch)
         if (self.ck.get("save_best") or {}).get("enabled", False):
             saves |= evaluations
