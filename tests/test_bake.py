@@ -447,22 +447,45 @@ def test_own_model_and_data_as_the_readme_says_pass_the_projects_tests(baked, tm
     files = readme_checklist_files((project / "README.md").read_text())
     pkg = context_of("default")["package_name"]
     assert sorted(files) == sorted(
-        [f"src/{pkg}/blobs.py", "configs/data/blobs.yaml", f"src/{pkg}/tiny.py", "configs/model/tiny.yaml"]
+        [
+            f"src/{pkg}/blobs.py",
+            "configs/data/blobs.yaml",
+            f"src/{pkg}/tiny.py",
+            "configs/model/tiny.yaml",
+        ]
     )
     for path, body in files.items():
         assert not (project / path).exists()  # new files only
         (project / path).write_text(body)
     env = {**os.environ, "PYTHONPATH": str(project / "src"), "TESTS_SKIP_MISSING_EXTRAS": "1"}
     out = run_pytest(
-        sys.executable, project, "-m", "not slow and not multiprocess", "tests/test_configs.py",
-        "-v", env=env,
+        sys.executable,
+        project,
+        "-m",
+        "not slow and not multiprocess",
+        "tests/test_configs.py",
+        "-v",
+        env=env,
     )
     for option in ("model=tiny", "data=blobs"):
         assert f"test_option_composes_and_instantiates[{option}] PASSED" in out
     train = subprocess.run(
-        [sys.executable, "train.py", "model=tiny", "data=blobs", "parallel=none", "tracker=csv",
-         "preflight=off", "trainer.max_epochs=3", f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=project, env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "train.py",
+            "model=tiny",
+            "data=blobs",
+            "parallel=none",
+            "tracker=csv",
+            "preflight=off",
+            "trainer.max_epochs=3",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -125,7 +125,8 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     watch_model(accelerator, model)  # W&B gradient/parameter histograms (tracker.wandb.watch)
     log.info(
         f"{sum(p.numel() for p in model.parameters()):,} parameters | "
-        f"{total_steps} steps ({steps_per_epoch or 'a stream: ?'}/epoch) | world size {accelerator.num_processes} "
+        f"{total_steps} steps ({steps_per_epoch or 'a stream: ?'}/epoch) | "
+        f"world size {accelerator.num_processes} "
         f"({accelerator.distributed_type.value})"
     )
 

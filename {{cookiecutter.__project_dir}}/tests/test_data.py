@@ -84,7 +84,7 @@ def stream_starts(tmp_path: Path, *, num_workers: int, epoch: int, skip: int = 0
 def test_a_token_stream_has_one_order_for_any_workers_and_continues_after_skip(tmp_path):
     epoch0 = stream_starts(tmp_path, num_workers=0, epoch=0)
     assert len(epoch0) == len(set(epoch0)) == (5000 - 8 - 1 - epoch0[0]) // 8 + 1
-    assert all(b - a == 8 for a, b in zip(epoch0, epoch0[1:], strict=False))  # file order
+    assert all(b - a == 8 for a, b in itertools.pairwise(epoch0))  # file order
     assert stream_starts(tmp_path, num_workers=2, epoch=0) == epoch0  # workers share it
     epoch1 = stream_starts(tmp_path, num_workers=0, epoch=1)
     # each epoch its own offset below seq_len, from (seed, epoch): 3, then 4 for seed 1
@@ -117,10 +117,12 @@ def test_a_large_token_file_is_read_without_loading_it(tmp_path):
     grown = rss_bytes() - before
     print(
         f"token file {size / 2**20:.0f} MiB, read {read:,} tokens: RSS +{grown / 2**20:.1f} MiB "
-        f"(now {rss_bytes() / 2**20:.0f} MiB, of it mapped files {rss_bytes('RssFile') / 2**20:.0f})"
+        f"(now {rss_bytes() / 2**20:.0f} MiB, mapped files {rss_bytes('RssFile') / 2**20:.0f})"
     )
     assert len(loaders.train.dataset) == (size // 2 - 128 - 1) // 128 + 1
-    assert grown < size / 20, f"RSS grew by {grown / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB file"
+    assert grown < size / 20, (
+        f"RSS grew by {grown / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB file"
+    )
 
 
 # --- real runs of train.py ------------------------------------------------------------------

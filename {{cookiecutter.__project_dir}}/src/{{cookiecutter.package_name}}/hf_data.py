@@ -85,9 +85,7 @@ def hf(
     try:
         import datasets
     except ImportError as err:
-        raise ConfigError(
-            "data=hf needs the datasets package: pip install -e '.[hf]'"
-        ) from err
+        raise ConfigError("data=hf needs the datasets package: pip install -e '.[hf]'") from err
 
     train, val = _load(datasets, format, train_files, val_files, train_split, val_split, cache_dir)
     if val is None:

@@ -190,7 +190,7 @@ def write_tokens(path: str | Path, tokens: np.ndarray, vocab_size: int) -> Path:
     path = Path(path)
     dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
     np.asarray(tokens, dtype=dtype).tofile(path)
-    meta = {"vocab_size": int(vocab_size), "dtype": dtype, "num_tokens": int(len(tokens))}
+    meta = {"vocab_size": int(vocab_size), "dtype": dtype, "num_tokens": len(tokens)}
     path.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")
     return path
 

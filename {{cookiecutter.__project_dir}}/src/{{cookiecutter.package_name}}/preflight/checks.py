@@ -275,9 +275,7 @@ def _write_test(directory: Path, size: int) -> str:
     )
 
 
-def _evaluations(
-    cfg: DictConfig, total_steps: int, start_step: int, steps_per_epoch: int | None
-):
+def _evaluations(cfg: DictConfig, total_steps: int, start_step: int, steps_per_epoch: int | None):
     """Steps in (start_step, total_steps] that evaluate (trainer's cadence)."""
     if start_step >= total_steps:
         return set()  # a finished run resumed: nothing left to do
