@@ -201,6 +201,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "tests/test_checkpoint.py",
         "tests/test_checkpoint_logic.py",
         "tests/test_configs.py",
+        "tests/test_data.py",
         "tests/test_preflight.py",
         "tests/test_tracking.py",
         "tests/test_train.py",
@@ -464,6 +465,7 @@ def test_own_model_and_data_as_the_readme_says_pass_the_projects_tests(baked, tm
         "-m",
         "not slow and not multiprocess",
         "tests/test_configs.py",
+        "tests/test_data.py",
         "-v",
         env=env,
     )
