@@ -440,9 +440,10 @@ def readme_checklist_files(readme: str) -> dict[str, str]:
 
 
 def test_own_model_and_data_as_the_readme_says_pass_the_projects_tests(baked, tmp_path):
-    """A fresh project plus the README checklist's 2 code files and 2 YAML files, and
-    not one edit elsewhere: the project's config tests (which find every option)
-    pass with the new options in them, and train.py trains on them."""
+    """A fresh project plus the README checklist's 2 code files and 2 YAML files (and
+    its optional experiment), and not one edit elsewhere: the project's config tests
+    (which find every option) and its experiment test pass with the new files in
+    them, and train.py trains on them."""
     project = tmp_path / "project"
     shutil.copytree(baked["default"], project)
     files = readme_checklist_files((project / "README.md").read_text())
@@ -453,6 +454,7 @@ def test_own_model_and_data_as_the_readme_says_pass_the_projects_tests(baked, tm
             "configs/data/blobs.yaml",
             f"src/{pkg}/tiny.py",
             "configs/model/tiny.yaml",
+            "configs/experiment/blobs.yaml",  # optional: a bundle that sets trainer.max_steps
         ]
     )
     for path, body in files.items():
@@ -465,12 +467,13 @@ def test_own_model_and_data_as_the_readme_says_pass_the_projects_tests(baked, tm
         "-m",
         "not slow and not multiprocess",
         "tests/test_configs.py",
-        "tests/test_data.py",
+        "tests/test_sweeps.py::test_experiment_runs_with_its_values[blobs]",
         "-v",
         env=env,
     )
-    for option in ("model=tiny", "data=blobs"):
+    for option in ("model=tiny", "data=blobs", "experiment=blobs"):
         assert f"test_option_composes_and_instantiates[{option}] PASSED" in out
+    assert "test_experiment_runs_with_its_values[blobs] PASSED" in out
     train = subprocess.run(
         [
             sys.executable,
