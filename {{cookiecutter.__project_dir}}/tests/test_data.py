@@ -14,6 +14,7 @@ import pytest
 
 from {{ cookiecutter.package_name }}.config import ConfigError
 from {{ cookiecutter.package_name }}.data import copy_task_sequences, load_digits, markov_language
+from {{ cookiecutter.package_name }}.hf_data import hf
 from {{ cookiecutter.package_name }}.loaders import run_length
 from {{ cookiecutter.package_name }}.token_file import TokenStream, token_file, write_tokens
 
@@ -56,6 +57,12 @@ def test_run_length_and_a_stream_without_max_steps():
         run_length(max_steps=None, max_epochs=3, batches=None, grad_accum=1)
 
 
+def test_hf_refuses_a_hub_name_and_says_how_to_use_it_offline(tmp_path):
+    with pytest.raises(ConfigError, match=r"data.format='user/corpus' is not allowed") as err:
+        hf(batch_size=8, seed=0, format="user/corpus", train_files="x", inputs="a", targets="b")
+    assert "save_to_disk(DIR), then data.format=disk" in str(err.value)
+
+
 def stream_starts(tmp_path: Path, *, num_workers: int, epoch: int, skip: int = 0) -> list[int]:
     """The first token of every training window of a stream over tokens 0..N-1
     (uint32, so a window's first token is its position: a sample id)."""
@@ -73,7 +80,7 @@ def stream_starts(tmp_path: Path, *, num_workers: int, epoch: int, skip: int = 0
     )
     dataset = loaders.train.dataset
     dataset.set_epoch(epoch)
-    dataset.skip(epoch, skip)
+    dataset.skip_to(epoch, skip)
     starts = []
     for x, y in loaders.train:
         assert (x[:, 1:] == y[:, :-1]).all() and (y[:, -1] == x[:, -1] + 1).all()

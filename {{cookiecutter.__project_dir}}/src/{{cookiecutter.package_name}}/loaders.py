@@ -118,18 +118,19 @@ def run_length(
 
 def continue_epoch(loader: Any, *, epoch: int, batches_done: int, num_processes: int) -> Any:
     """The loader for the rest of an epoch of which this process already trained
-    ``batches_done`` micro-batches. A dataset with ``skip(epoch, samples)`` (a stream,
-    e.g. ``token_file.TokenStream``) is asked to continue after that many samples of
+    ``batches_done`` micro-batches. A stream with ``skip_to(epoch, samples)`` (e.g.
+    ``token_file.TokenStream``) is asked to continue after that many samples of
     the whole run's stream; any other loader reads the first batches again and drops
     them (accelerate's ``skip_first_batches``)."""
     if not batches_done:
         return loader
     dataset = getattr(loader, "dataset", None)
     dataset = getattr(dataset, "dataset", dataset)  # accelerate's IterableDatasetShard
-    if hasattr(dataset, "skip"):
+    # (skip_to, not skip: a Hugging Face IterableDataset has a skip(n) of its own)
+    if isinstance(dataset, IterableDataset) and hasattr(dataset, "skip_to"):
         # Every process's micro-batch came from the one stream (the main process reads
         # them all for a stream: accelerate's dispatch), loader.batch_size per process.
-        dataset.skip(epoch, batches_done * loader.batch_size * num_processes)
+        dataset.skip_to(epoch, batches_done * loader.batch_size * num_processes)
         return loader
     return skip_first_batches(loader, batches_done)
 

@@ -91,7 +91,7 @@ class TokenStream(IterableDataset):
     starts at an offset drawn from (seed, epoch) below ``seq_len``.
 
     The stream protocol the loop uses (duck-typed, loaders.continue_epoch):
-    ``set_epoch(epoch)`` (accelerate calls it) and ``skip(epoch, samples)``: in
+    ``set_epoch(epoch)`` (accelerate calls it) and ``skip_to(epoch, samples)``: in
     that epoch, continue after ``samples`` samples of the whole run's stream (a
     resume). Processes share the stream through accelerate (the main process reads,
     every process gets its slice of each global batch); loader workers share it here,
@@ -105,7 +105,7 @@ class TokenStream(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def skip(self, epoch: int, samples: int) -> None:
+    def skip_to(self, epoch: int, samples: int) -> None:
         self.resume = (epoch, samples)
 
     def __iter__(self):
