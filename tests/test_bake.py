@@ -2,8 +2,11 @@
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import textwrap
 import tomllib
 import venv
 from pathlib import Path
@@ -116,6 +119,8 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "configs/hydra/sweeper/pruner/successive_halving.yaml",
         "configs/hydra/sweeper/pruner/threshold.yaml",
         "configs/data/tokens.yaml",
+        "configs/data/token_file.yaml",
+        "configs/data/hf.yaml",
         "configs/model/cnn.yaml",
         "configs/model/gpt.yaml",
         "configs/model/mlp.yaml",
@@ -182,6 +187,14 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         f"{pkg}/trackers.py",
         f"{pkg}/tracking.py",
         f"{pkg}/assets/digits.csv.gz",
+        f"{pkg}/assets/digits.parquet",
+        f"{pkg}/assets/tokens_train.bin",
+        f"{pkg}/assets/tokens_train.json",
+        f"{pkg}/assets/tokens_val.bin",
+        f"{pkg}/assets/tokens_val.json",
+        f"{pkg}/loaders.py",
+        f"{pkg}/token_file.py",
+        f"{pkg}/hf_data.py",
         f"src/hydra_plugins/{ctx['package_name']}_optuna/__init__.py",
         f"src/hydra_plugins/{ctx['package_name']}_optuna/sweeper.py",
         "tests/__init__.py",
@@ -191,6 +204,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "tests/test_checkpoint.py",
         "tests/test_checkpoint_logic.py",
         "tests/test_configs.py",
+        "tests/test_data.py",
         "tests/test_preflight.py",
         "tests/test_tracking.py",
         "tests/test_train.py",
@@ -417,3 +431,70 @@ def test_default_bake_installs_and_passes_in_a_fresh_venv(baked, tmp_path):
     accuracy = cases["test_default_run_reaches_95_percent"]
     outcome = [child.tag for child in accuracy if child.tag in ("skipped", "failure", "error")]
     assert not outcome, outcome
+
+
+def readme_checklist_files(readme: str) -> dict[str, str]:
+    """The files README's "Add your own model and data" checklist tells a user to
+    write: each numbered item names a path in backticks and gives its content in the
+    code block that follows."""
+    section = readme.split("### Add your own model and data", 1)[1].split("\n## ", 1)[0]
+    found = re.findall(r"`((?:src|configs)/[^`]+\.(?:py|yaml))`.*?```\w*\n(.*?)```", section, re.S)
+    return {path: textwrap.dedent(body) for path, body in found}
+
+
+def test_own_model_and_data_as_the_readme_says_pass_the_projects_tests(baked, tmp_path):
+    """A fresh project plus the README checklist's 2 code files and 2 YAML files (and
+    its optional experiment), and not one edit elsewhere: the project's config tests
+    (which find every option) and its experiment test pass with the new files in
+    them, and train.py trains on them."""
+    project = tmp_path / "project"
+    shutil.copytree(baked["default"], project)
+    files = readme_checklist_files((project / "README.md").read_text())
+    pkg = context_of("default")["package_name"]
+    assert sorted(files) == sorted(
+        [
+            f"src/{pkg}/blobs.py",
+            "configs/data/blobs.yaml",
+            f"src/{pkg}/tiny.py",
+            "configs/model/tiny.yaml",
+            "configs/experiment/blobs.yaml",  # optional: a bundle that sets trainer.max_steps
+        ]
+    )
+    for path, body in files.items():
+        assert not (project / path).exists()  # new files only
+        (project / path).write_text(body)
+    env = {**os.environ, "PYTHONPATH": str(project / "src"), "TESTS_SKIP_MISSING_EXTRAS": "1"}
+    out = run_pytest(
+        sys.executable,
+        project,
+        "-m",
+        "not slow and not multiprocess",
+        "tests/test_configs.py",
+        "tests/test_sweeps.py::test_experiment_runs_with_its_values[blobs]",
+        "-v",
+        env=env,
+    )
+    for option in ("model=tiny", "data=blobs", "experiment=blobs"):
+        assert f"test_option_composes_and_instantiates[{option}] PASSED" in out
+    assert "test_experiment_runs_with_its_values[blobs] PASSED" in out
+    train = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "model=tiny",
+            "data=blobs",
+            "parallel=none",
+            "tracker=csv",
+            "preflight=off",
+            "trainer.max_epochs=3",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["metrics"]["val/acc"] > 0.8  # 3 well-separated blobs: chance is 1/3

@@ -12,13 +12,11 @@ lives in small modules there that decide about ranks themselves (README: "Layout
 """
 
 import logging
-import math
 import sys
 from pathlib import Path
 
 import hydra
 import torch
-from accelerate import skip_first_batches
 from omegaconf import DictConfig, OmegaConf
 
 from {{ cookiecutter.package_name }} import task
@@ -41,6 +39,7 @@ from {{ cookiecutter.package_name }}.early_stopping import EarlyStopping
 from {{ cookiecutter.package_name }}.ema import WeightAverage, metric_names
 from {{ cookiecutter.package_name }}.finetune import init_from
 from {{ cookiecutter.package_name }}.launch import LaunchError, run, spans_nodes
+from {{ cookiecutter.package_name }}.loaders import batches_per_epoch, continue_epoch, run_length
 from {{ cookiecutter.package_name }}.logs import setup_rank_logging
 from {{ cookiecutter.package_name }}.metrics import MetricBook
 from {{ cookiecutter.package_name }}.nonfinite import LossGuard, NonFiniteLoss
@@ -107,9 +106,13 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
         accelerator=accelerator,
         configured=cfg.trainer.grad_accum_steps,
     )
-    steps_per_epoch = math.ceil(len(train_loader) / grad_accum)
-    total_steps = cfg.trainer.max_steps or cfg.trainer.max_epochs * steps_per_epoch
-    max_epochs = math.ceil(total_steps / steps_per_epoch)
+    # A stream (an IterableDataset) has no length: then trainer.max_steps is required
+    steps_per_epoch, total_steps, max_epochs = run_length(
+        max_steps=cfg.trainer.max_steps,
+        max_epochs=cfg.trainer.max_epochs,
+        batches=batches_per_epoch(train_loader),
+        grad_accum=grad_accum,
+    )
     scheduler = accelerator.prepare(
         instantiate(cfg.scheduler, what="scheduler")(optimizer, total_steps=total_steps)
     )
@@ -122,7 +125,8 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     watch_model(accelerator, model)  # W&B gradient/parameter histograms (tracker.wandb.watch)
     log.info(
         f"{sum(p.numel() for p in model.parameters()):,} parameters | "
-        f"{total_steps} steps ({steps_per_epoch}/epoch) | world size {accelerator.num_processes} "
+        f"{total_steps} steps ({steps_per_epoch or 'a stream: ?'}/epoch) | "
+        f"world size {accelerator.num_processes} "
         f"({accelerator.distributed_type.value})"
     )
 
@@ -183,7 +187,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
 
     # --- the loop ----------------------------------------------------------------------
     progress = Progress(total_steps, initial_step=step, clock=clock)  # rates: training time
-    eval_every = cfg.trainer.eval_every_n_steps or steps_per_epoch
+    eval_every = cfg.trainer.eval_every_n_steps or steps_per_epoch or total_steps  # stream: end
     log_every, clip_norm = cfg.trainer.log_every_n_steps, cfg.trainer.grad_clip_norm  # read once
     loss_sum = torch.zeros((), device=accelerator.device)  # summed on device: no sync per step
     loss_count = 0
@@ -198,7 +202,9 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
             break
         train_loader.set_epoch(epoch)
         done = start_at.batch if epoch == start_at.epoch else 0  # batches a resumed run saw
-        batches = skip_first_batches(train_loader, done) if done else train_loader
+        batches = continue_epoch(
+            train_loader, epoch=epoch, batches_done=done, num_processes=accelerator.num_processes
+        )
         for batch, data in enumerate(batches, start=done + 1):
             loss, norm = optimizer_step(
                 accelerator=accelerator, state=state, batch=data, guard=guard, clip_norm=clip_norm

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from {{ cookiecutter.package_name }}.gpt import GPT
 from {{ cookiecutter.package_name }}.model import MLP
 
 
@@ -74,3 +75,16 @@ class RecordsSamples(MLP):
 
 def sample_hash(row: torch.Tensor) -> str:
     return hashlib.sha1(row.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+class RecordsWindows(GPT):
+    """The GPT example recording each training sequence it sees, as RecordsSamples
+    does: which windows of a token stream a run, or each part of an interrupted one,
+    trained on."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            lines = "".join(f"{sample_hash(row)}\n" for row in x)
+            with open(Path(os.environ["SAMPLE_LOG"]) / f"{os.getpid()}.txt", "a") as f:
+                f.write(lines)
+        return super().forward(x)

@@ -6,6 +6,7 @@ values, naming key, value and what is allowed. The example model and data check
 their own arguments (``require``) in their constructors.
 """
 
+import json
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -39,7 +40,8 @@ def require(key: str, value: Any, ok: bool, expected: str) -> None:
 def register_resolvers(project_root: Path | None = None) -> None:
     """``${default_run_name:}``, ``${launch_stamp:}`` and ``${project_root:}``
     (the directory holding train.py; default: the working directory) for
-    configs/train.yaml. Call before composing."""
+    configs/train.yaml, and ``${sidecar:FILE,KEY}`` for data configs. Call before
+    composing."""
     from .run_dir import default_run_name, launch_stamp  # the run dir owns the naming rule
 
     root = str(Path(project_root or Path.cwd()).resolve())
@@ -47,12 +49,37 @@ def register_resolvers(project_root: Path | None = None) -> None:
     register("default_run_name", default_run_name, replace=True, use_cache=True)
     register("launch_stamp", launch_stamp, replace=True, use_cache=True)
     register("project_root", lambda: root, replace=True)
+    register("sidecar", sidecar, replace=True)
+
+
+def sidecar(path: str, key: str) -> Any:
+    """``${sidecar:FILE,KEY}``: KEY of the JSON file next to a data file (FILE with
+    the suffix ``.json``, e.g. ``train.bin`` -> ``train.json``), so a value the data
+    knows (its vocabulary size) is written once, by whoever wrote the data, and the
+    model's config reads it as ``${data.vocab_size}``."""
+    meta = Path(path).with_suffix(".json")
+    if not meta.is_file():
+        raise ConfigError(
+            f"no {meta} next to the data file {path} (it should hold {key!r}); write it, "
+            "or give the value in the data config instead of ${sidecar:...}"
+        )
+    values = json.loads(meta.read_text())
+    if key not in values:
+        raise ConfigError(f"{meta} has no key {key!r}; it has: {', '.join(sorted(values))}")
+    return values[key]
 
 
 def resolve_config(cfg: DictConfig) -> DictConfig:
     """A fully resolved copy with no ``${...}`` left and no link to Hydra, in
     struct mode so a typo in a key still fails loudly."""
-    container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    from omegaconf.errors import InterpolationResolutionError
+
+    try:
+        container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except InterpolationResolutionError as err:
+        if isinstance(err.__cause__, ConfigError):  # a resolver's own clear error (sidecar)
+            raise err.__cause__ from None
+        raise
     resolved = OmegaConf.create(container)
     OmegaConf.set_struct(resolved, True)
     return resolved

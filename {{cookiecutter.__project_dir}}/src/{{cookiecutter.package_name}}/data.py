@@ -5,33 +5,25 @@
 test set (1797 images, 64 pixels in 0..16, then the label; CC BY 4.0, E. Alpaydin
 and C. Kaynak), the same file scikit-learn ships, so training needs no network.
 
-Replace this module with your own data; keep the two properties that make runs
-reproducible and resumable:
-- the training order comes from a dedicated generator (not the global RNG),
-  seeded with ``seed`` and reseeded per epoch by ``set_epoch``;
-- anything random per sample (augmentation) is a function of (seed, epoch, index).
+Replace this module with your own data: a function returning
+``loaders.make_loaders(...)``, which applies the rules that make runs reproducible
+and resumable (README: "Your own data"). Data on disk: ``token_file.py``
+(``data=token_file``), ``hf_data.py`` (``data=hf``); streaming: ``streaming.py``.
 """
 
 import gzip
-from dataclasses import dataclass
 from importlib import resources
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 from .config import require
-from .seeding import seed_worker
+from .loaders import DataLoaders, make_loaders
 
 # Arguments that may change when a run resumes (the data order does not depend on
 # them); the checkpoint's config check reads this from the ``_target_``.
 RESUME_MAY_CHANGE = ("num_workers", "pin_memory", "val_batch_size")
-
-
-@dataclass
-class DataLoaders:
-    train: DataLoader
-    val: DataLoader
 
 
 def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,14 +59,14 @@ def digits(
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(split_seed))
     n_val = round(len(labels) * val_fraction)
     val_idx, train_idx = order[:n_val], order[n_val:]
-    return _loaders(
+    return make_loaders(
         TensorDataset(images[train_idx], labels[train_idx]),
         TensorDataset(images[val_idx], labels[val_idx]),
-        batch_size,
-        val_batch_size,
-        seed,
-        num_workers,
-        pin_memory,
+        batch_size=batch_size,
+        val_batch_size=val_batch_size,
+        seed=seed,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
     )
 
 
@@ -143,60 +135,15 @@ def tokens(
     language = markov_language(vocab_size, branching, data_seed)
     train_seq = copy_task_sequences(num_train, seq_len + 1, language, data_seed + 1)
     val_seq = copy_task_sequences(num_val, seq_len + 1, language, data_seed + 2)
-    return _loaders(
+    return make_loaders(
         TensorDataset(train_seq[:, :-1], train_seq[:, 1:]),
         TensorDataset(val_seq[:, :-1], val_seq[:, 1:]),
-        batch_size,
-        val_batch_size,
-        seed,
-        num_workers,
-        pin_memory,
-    )
-
-
-def _loaders(
-    train_set: TensorDataset,
-    val_set: TensorDataset,
-    batch_size: int,
-    val_batch_size: int,
-    seed: int,
-    num_workers: int,
-    pin_memory: bool | None,
-) -> DataLoaders:
-    for key, value in [("batch_size", batch_size), ("val_batch_size", val_batch_size)]:
-        require(f"data.{key}", value, _is_int(value) and value >= 1, "an integer >= 1")
-    require(
-        "data.num_workers",
-        num_workers,
-        _is_int(num_workers) and num_workers >= 0,
-        "an integer >= 0",
-    )
-    common = {
-        "num_workers": num_workers,
-        # Page-locked batches make the copy to the GPU asynchronous (accelerate
-        # moves them with non_blocking=True); pointless without a GPU.
-        "pin_memory": torch.cuda.is_available() if pin_memory is None else pin_memory,
-        "worker_init_fn": seed_worker,
-        "persistent_workers": num_workers > 0,  # no worker start-up every epoch
-    }
-    train = DataLoader(
-        train_set,
         batch_size=batch_size,
-        shuffle=True,
-        drop_last=False,
-        # Own generator: the shuffle and the workers' base seed never touch
-        # (or depend on) the global RNG. accelerate reseeds it per epoch.
-        generator=torch.Generator().manual_seed(seed),
-        **common,
+        val_batch_size=val_batch_size,
+        seed=seed,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
     )
-    val = DataLoader(
-        val_set,
-        batch_size=val_batch_size,
-        shuffle=False,
-        generator=torch.Generator().manual_seed(seed),
-        **common,
-    )
-    return DataLoaders(train=train, val=val)
 
 
 digits.resume_may_change = tokens.resume_may_change = RESUME_MAY_CHANGE

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, RandomSampler, Subset
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Subset
 
 from .config import ConfigError, require
 
@@ -25,6 +25,11 @@ def first_batches(loader: DataLoader, batches: int) -> DataLoader:
     """A loader like ``loader`` over its dataset's first ``batches`` batches."""
     if loader.batch_size is None:
         raise ConfigError("debug.*_batches needs a loader with a batch_size (not a batch_sampler)")
+    if isinstance(loader.dataset, IterableDataset):
+        raise ConfigError(
+            "debug.*_batches needs a dataset with a length, not a stream (an "
+            "IterableDataset): shorten a stream's run with trainer.max_steps instead"
+        )
     count = min(len(loader.dataset), batches * loader.batch_size)
     return DataLoader(
         Subset(loader.dataset, range(count)),

@@ -7,13 +7,15 @@ example: classification (labels ``(batch,)``) and next-token prediction (targets
 ``(batch, positions)``); every position is one prediction. README: "Use your own model and data".
 """
 
+import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-# What ``evaluate`` returns: ``trainer.monitor`` must be one of these.
-METRICS = ("val/loss", "val/acc")
+# What ``evaluate`` returns: ``trainer.monitor`` must be one of these. ``val/ppl``
+# (perplexity, exp of the mean loss per token) only for token targets.
+METRICS = ("val/loss", "val/acc", "val/ppl")
 
 
 def inputs(*, batch: Any) -> Any:
@@ -62,4 +64,7 @@ def evaluate(*, model: torch.nn.Module, loader: Any, accelerator: Any) -> dict[s
         correct += (logits.argmax(dim=-1) == y).sum()
         count += y.numel()
     model.train()
-    return {"val/loss": (loss_sum / count).item(), "val/acc": (correct / count).item()}
+    metrics = {"val/loss": (loss_sum / count).item(), "val/acc": (correct / count).item()}
+    if y.dim() > 1:  # a language model: per-token perplexity
+        metrics["val/ppl"] = math.exp(metrics["val/loss"])
+    return metrics

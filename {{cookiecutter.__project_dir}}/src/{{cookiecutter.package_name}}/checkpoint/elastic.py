@@ -35,14 +35,15 @@ def resume_batch(
     saved_world: int,
     world: int,
     batch_size: int,
-    batches_per_epoch: int,
+    batches_per_epoch: int | None,
 ) -> tuple[int, str | None]:
     """Micro-batches of the saved epoch this process skips now, and a warning
     when the samples consumed are not a whole number of this world's global
     micro-batches (the rest, fewer than ``world`` micro-batches, is trained again).
     A finished epoch stays finished; the same world size gives the saved batch."""
     batch = int(trainer["batch"])
-    if batch >= int(trainer.get("batches_per_epoch", batch + 1)):
+    saved_batches = trainer.get("batches_per_epoch", batch + 1)  # None: a stream
+    if saved_batches is not None and batch >= int(saved_batches):
         return batches_per_epoch, None  # the epoch is done on any world size
     samples = int(trainer.get("samples_in_epoch", batch * saved_world * batch_size))
     done, left = divmod(samples, world * batch_size)

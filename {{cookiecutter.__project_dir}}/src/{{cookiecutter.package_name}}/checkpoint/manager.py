@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save as save_safetensors
 
 from ..config import allowed_config_changes, config_differences
+from ..loaders import batches_per_epoch
 from ..state import Position, TrainState, rng_state, set_rng_state
 from . import async_save, commit, elastic, folder, full_state, policy, sharded
 from . import format as fmt
@@ -57,7 +58,7 @@ class CheckpointManager:
         self.dir = Path(run_dir) / "checkpoints"
         self.accelerator = accelerator
         self.state = state
-        self.batches_per_epoch = len(state.train_loader)
+        self.batches_per_epoch = batches_per_epoch(state.train_loader)  # None: a stream
         self.batch_size = elastic.per_process_batch(state.train_loader, accelerator.num_processes)
         # checkpoint.format: auto = sharded under FSDP (no rank gathers the state), else full
         layout = str(self.ck.get("format", "auto"))
@@ -86,7 +87,7 @@ class CheckpointManager:
     # --- what preflight asks -----------------------------------------------------------
 
     def planned_saves(
-        self, total: int, start: int, *, steps_per_epoch: int, evaluations: set[int]
+        self, total: int, start: int, *, steps_per_epoch: int | None, evaluations: set[int]
     ) -> set[int]:
         """Steps in (start, total] that may save (policy.planned_saves)."""
         return policy.planned_saves(

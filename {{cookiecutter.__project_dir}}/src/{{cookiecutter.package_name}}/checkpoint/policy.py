@@ -42,7 +42,7 @@ def save_reasons(
     step: int,
     epoch: int,
     batch: int,
-    batches_per_epoch: int,
+    batches_per_epoch: int | None,  # None: a stream (no epoch end to save at)
     is_new_best: bool,
     stop: bool,
 ) -> list[str]:
@@ -61,7 +61,12 @@ def save_reasons(
 
 
 def planned_saves(
-    ck: dict[str, Any], total: int, start: int, *, steps_per_epoch: int, evaluations: set[int]
+    ck: dict[str, Any],
+    total: int,
+    start: int,
+    *,
+    steps_per_epoch: int | None,
+    evaluations: set[int],
 ) -> set[int]:
     """Steps in (start, total] that may save (a new best: at most every evaluation)."""
     if not ck.get("enabled", False) or start >= total:
@@ -71,7 +76,7 @@ def planned_saves(
         return set(range((start // k + 1) * k, total + 1, k)) if k else set()
 
     saves = multiples(ck.get("every_n_steps"))
-    if ck.get("every_n_epochs"):
+    if ck.get("every_n_epochs") and steps_per_epoch:  # a stream has no epoch length
         saves |= multiples(ck["every_n_epochs"] * steps_per_epoch)
     if _best_rule(ck):
         saves |= evaluations

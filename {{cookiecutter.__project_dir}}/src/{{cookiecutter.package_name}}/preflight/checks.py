@@ -23,6 +23,7 @@ from accelerate.utils import gather_object
 from omegaconf import DictConfig
 
 from .. import tracking
+from ..loaders import batches_per_epoch
 from ..throughput import Throughput
 
 if TYPE_CHECKING:
@@ -274,11 +275,11 @@ def _write_test(directory: Path, size: int) -> str:
     )
 
 
-def _evaluations(cfg: DictConfig, total_steps: int, start_step: int, steps_per_epoch: int):
+def _evaluations(cfg: DictConfig, total_steps: int, start_step: int, steps_per_epoch: int | None):
     """Steps in (start_step, total_steps] that evaluate (trainer's cadence)."""
     if start_step >= total_steps:
         return set()  # a finished run resumed: nothing left to do
-    every = cfg.trainer.eval_every_n_steps or steps_per_epoch
+    every = cfg.trainer.eval_every_n_steps or steps_per_epoch or total_steps  # a stream: the end
     return set(range((start_step // every + 1) * every, total_steps + 1, every)) | {total_steps}
 
 
@@ -304,7 +305,8 @@ def check_speed(
         return Check("speed", "warn", f"not measured: {t.error or 'no steps timed'}")
     steps_per_sec = 1.0 / t.step_s
     samples_per_sec = t.samples_per_step * steps_per_sec
-    steps_per_epoch = math.ceil(len(state.train_loader) / cfg.trainer.grad_accum_steps)
+    batches = batches_per_epoch(state.train_loader)  # None: a stream (no epochs to count)
+    steps_per_epoch = math.ceil(batches / cfg.trainer.grad_accum_steps) if batches else None
     evals = _evaluations(cfg, total_steps, start_step, steps_per_epoch)
     saves = ckpt.planned_saves(
         total_steps, start_step, steps_per_epoch=steps_per_epoch, evaluations=evals

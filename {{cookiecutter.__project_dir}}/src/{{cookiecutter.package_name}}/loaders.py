@@ -1,0 +1,139 @@
+"""The data contract: what a data function returns (``DataLoaders``) and the one
+helper that builds loaders with the rules that keep runs reproducible and resumable
+(``make_loaders``), and what the loop asks of a loader: its length (none for a
+stream: ``run_length``) and where a resumed epoch continues (``continue_epoch``).
+README: "Your own data".
+
+A data function (``configs/data/<name>.yaml``'s ``_target_``) takes its YAML keys as
+arguments, including ``batch_size`` and ``seed: ${seed}``, and returns
+``make_loaders(train_set, val_set, ...)``. Batches are whatever ``task.py`` reads
+(the examples: ``(inputs, targets)``).
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from accelerate import skip_first_batches
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from .config import ConfigError, require
+from .seeding import seed_worker
+
+
+@dataclass
+class DataLoaders:
+    train: DataLoader
+    val: DataLoader
+
+
+def make_loaders(
+    train_set: Dataset | IterableDataset,
+    val_set: Dataset | IterableDataset,
+    *,
+    batch_size: int,
+    seed: int,
+    val_batch_size: int | None = None,
+    num_workers: int = 0,
+    pin_memory: bool | None = None,
+) -> DataLoaders:
+    """Training and validation loaders for two datasets (map-style: ``__len__`` and
+    ``__getitem__``; or iterable, see ``streaming.py``):
+
+    - the training order comes from the loader's own ``torch.Generator`` seeded with
+      ``seed`` (never the global RNG); accelerate reseeds it per epoch, so the order
+      is a function of (seed, epoch) and a resumed run sees the same batches;
+    - every worker process is seeded from it (``seeding.seed_worker``);
+    - workers persist across epochs, batches are page-locked when a GPU is present.
+
+    Anything random per sample (augmentation, a random window) must be a function of
+    (seed, epoch, index) computed in the dataset, not of the global RNG."""
+    val_batch_size = batch_size if val_batch_size is None else val_batch_size
+    for key, value in [("batch_size", batch_size), ("val_batch_size", val_batch_size)]:
+        require(f"data.{key}", value, _is_int(value) and value >= 1, "an integer >= 1")
+    require(
+        "data.num_workers",
+        num_workers,
+        _is_int(num_workers) and num_workers >= 0,
+        "an integer >= 0",
+    )
+    common = {
+        "num_workers": num_workers,
+        # Page-locked batches make the copy to the GPU asynchronous (accelerate
+        # moves them with non_blocking=True); pointless without a GPU.
+        "pin_memory": torch.cuda.is_available() if pin_memory is None else pin_memory,
+        "worker_init_fn": seed_worker,
+        # No worker start-up every epoch; but a stream's workers are started per epoch,
+        # so that each gets the dataset's epoch and resume point (set_epoch, skip).
+        "persistent_workers": num_workers > 0 and not isinstance(train_set, IterableDataset),
+    }
+    train = DataLoader(
+        train_set,
+        batch_size=batch_size,
+        # An iterable dataset has its own order (streaming.py); a loader cannot shuffle it.
+        shuffle=not isinstance(train_set, IterableDataset),
+        drop_last=False,
+        # Own generator: the shuffle and the workers' base seed never touch
+        # (or depend on) the global RNG. accelerate reseeds it per epoch.
+        generator=torch.Generator().manual_seed(seed),
+        **common,
+    )
+    val = DataLoader(
+        val_set,
+        batch_size=val_batch_size,
+        shuffle=False,
+        generator=torch.Generator().manual_seed(seed),
+        **common,
+    )
+    return DataLoaders(train=train, val=val)
+
+
+def batches_per_epoch(loader: Any) -> int | None:
+    """Micro-batches of one epoch on this process; None for a stream (no length)."""
+    try:
+        return len(loader)
+    except TypeError:  # an IterableDataset without __len__
+        return None
+
+
+def run_length(
+    *, max_steps: int | None, max_epochs: int, batches: int | None, grad_accum: int
+) -> tuple[int | None, int, int]:
+    """(optimizer steps per epoch or None, total steps, epochs to loop over). A
+    stream has no length, so ``trainer.max_steps`` sets the run's; its epochs are
+    passes over the stream (every pass of a finite one holds at least one step)."""
+    if batches is None:
+        if not max_steps:
+            raise ConfigError(
+                f"trainer.max_steps={max_steps!r} is not allowed with a training set that has "
+                "no length (an IterableDataset, a stream): expected trainer.max_steps=N, "
+                "the run's length in optimizer steps"
+            )
+        return None, max_steps, max_steps
+    per_epoch = math.ceil(batches / grad_accum)
+    total = max_steps or max_epochs * per_epoch
+    return per_epoch, total, math.ceil(total / per_epoch)
+
+
+def continue_epoch(loader: Any, *, epoch: int, batches_done: int, num_processes: int) -> Any:
+    """The loader for the rest of an epoch of which this process already trained
+    ``batches_done`` micro-batches. A stream with ``skip_to(epoch, samples)`` (e.g.
+    ``token_file.TokenStream``) is asked to continue after that many samples of
+    the whole run's stream; any other loader reads the first batches again and drops
+    them (accelerate's ``skip_first_batches``)."""
+    if not batches_done:
+        return loader
+    dataset = getattr(loader, "dataset", None)
+    dataset = getattr(dataset, "dataset", dataset)  # accelerate's IterableDatasetShard
+    # (skip_to, not skip: a Hugging Face IterableDataset has a skip(n) of its own)
+    if isinstance(dataset, IterableDataset) and hasattr(dataset, "skip_to"):
+        # Every process's micro-batch came from the one stream (the main process reads
+        # them all for a stream: accelerate's dispatch), loader.batch_size per process.
+        dataset.skip_to(epoch, batches_done * loader.batch_size * num_processes)
+        return loader
+    return skip_first_batches(loader, batches_done)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

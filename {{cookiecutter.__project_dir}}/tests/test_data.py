@@ -1,0 +1,259 @@
+"""The data options on data the tests write: token files (memory-mapped, a stream),
+Hugging Face datasets from local files, and a stream resumed after kill -9,
+checked by the samples each part trained on."""
+
+import itertools
+import json
+import math
+import os
+from importlib.util import find_spec
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from {{ cookiecutter.package_name }}.config import ConfigError
+from {{ cookiecutter.package_name }}.data import copy_task_sequences, load_digits, markov_language
+from {{ cookiecutter.package_name }}.hf_data import hf
+from {{ cookiecutter.package_name }}.loaders import run_length
+from {{ cookiecutter.package_name }}.token_file import TokenStream, token_file, write_tokens
+
+from .conftest import ENV, FAST, PROJECT_ROOT, fingerprints, run_train
+from .faults import sample_hash
+from .test_checkpoint import ckpt_dir, kill_when_paused
+
+# A GPT small enough for a few dozen CPU steps in seconds.
+TINY_GPT = [
+    "model=gpt",
+    "model.d_model=32",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "data.seq_len=16",
+    "data.batch_size=8",
+    "optimizer.lr=3e-3",
+]
+
+
+def needs_datasets() -> None:
+    """data=hf needs the hf extra; a skip only where it is missing on purpose."""
+    if find_spec("datasets") is None and os.environ.get("TESTS_SKIP_MISSING_EXTRAS") == "1":
+        pytest.skip("not installed here: datasets (the hf extra)")
+
+
+def rss_bytes(kind: str = "VmRSS") -> int:
+    """This process's resident memory (VmRSS: all; RssFile: pages of mapped files)."""
+    status = Path("/proc/self/status").read_text()
+    return int(status.split(f"{kind}:")[1].split()[0]) * 1024
+
+
+# --- pure logic, in-process ---------------------------------------------------------------
+
+
+def test_run_length_and_a_stream_without_max_steps():
+    assert run_length(max_steps=None, max_epochs=3, batches=10, grad_accum=3) == (4, 12, 3)
+    assert run_length(max_steps=5, max_epochs=3, batches=10, grad_accum=1) == (10, 5, 1)
+    assert run_length(max_steps=7, max_epochs=3, batches=None, grad_accum=2) == (None, 7, 7)
+    with pytest.raises(ConfigError, match=r"trainer.max_steps=None is not allowed .* no length"):
+        run_length(max_steps=None, max_epochs=3, batches=None, grad_accum=1)
+
+
+def test_hf_refuses_a_hub_name_and_says_how_to_use_it_offline(tmp_path):
+    with pytest.raises(ConfigError, match=r"data.format='user/corpus' is not allowed") as err:
+        hf(batch_size=8, seed=0, format="user/corpus", train_files="x", inputs="a", targets="b")
+    assert "save_to_disk(DIR), then data.format=disk" in str(err.value)
+
+
+def stream_starts(tmp_path: Path, *, num_workers: int, epoch: int, skip: int = 0) -> list[int]:
+    """The first token of every training window of a stream over tokens 0..N-1
+    (uint32, so a window's first token is its position: a sample id)."""
+    path = write_tokens(tmp_path / "ids.bin", np.arange(5000), vocab_size=70_000)
+    loaders = token_file(
+        batch_size=4,
+        seed=1,
+        train_path=str(path),
+        val_path=str(path),
+        vocab_size=70_000,
+        dtype="uint32",
+        seq_len=8,
+        windows="stream",
+        num_workers=num_workers,
+    )
+    dataset = loaders.train.dataset
+    dataset.set_epoch(epoch)
+    dataset.skip_to(epoch, skip)
+    starts = []
+    for x, y in loaders.train:
+        assert (x[:, 1:] == y[:, :-1]).all() and (y[:, -1] == x[:, -1] + 1).all()
+        starts += x[:, 0].tolist()
+    return starts
+
+
+def test_a_token_stream_has_one_order_for_any_workers_and_continues_after_skip(tmp_path):
+    epoch0 = stream_starts(tmp_path, num_workers=0, epoch=0)
+    assert len(epoch0) == len(set(epoch0)) == (5000 - 8 - 1 - epoch0[0]) // 8 + 1
+    assert all(b - a == 8 for a, b in itertools.pairwise(epoch0))  # file order
+    assert stream_starts(tmp_path, num_workers=2, epoch=0) == epoch0  # workers share it
+    epoch1 = stream_starts(tmp_path, num_workers=0, epoch=1)
+    # each epoch its own offset below seq_len, from (seed, epoch): 3, then 4 for seed 1
+    assert (epoch0[0], epoch1[0]) == (3, 4)
+    # A resume 12 samples into epoch 1 reads the rest of it, from the 13th sample.
+    assert stream_starts(tmp_path, num_workers=2, epoch=1, skip=12) == epoch1[12:]
+    assert stream_starts(tmp_path, num_workers=0, epoch=0, skip=12) == epoch0[12:]
+
+
+def test_a_large_token_file_is_read_without_loading_it(tmp_path):
+    """~300 MB of uint16 tokens: building the loaders and reading 100 batches of
+    random windows raises the process's resident memory by far less."""
+    path = tmp_path / "big.bin"
+    chunk = (np.arange(1 << 24) % 50_000).astype(np.uint16)  # 32 MiB
+    with open(path, "wb") as f:
+        for _ in range(9):
+            chunk.tofile(f)
+    path.with_suffix(".json").write_text(json.dumps({"vocab_size": 50_000, "dtype": "uint16"}))
+    size = path.stat().st_size
+    del chunk
+    before = rss_bytes()
+    loaders = token_file(
+        batch_size=32, seed=0, train_path=str(path), val_path=str(path), vocab_size=50_000
+    )
+    read = 0
+    for i, (x, _) in enumerate(loaders.train):
+        read += x.numel()
+        if i == 99:
+            break
+    grown = rss_bytes() - before
+    print(
+        f"token file {size / 2**20:.0f} MiB, read {read:,} tokens: RSS +{grown / 2**20:.1f} MiB "
+        f"(now {rss_bytes() / 2**20:.0f} MiB, mapped files {rss_bytes('RssFile') / 2**20:.0f})"
+    )
+    assert len(loaders.train.dataset) == (size // 2 - 128 - 1) // 128 + 1
+    assert grown < size / 20, (
+        f"RSS grew by {grown / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB file"
+    )
+
+
+# --- real runs of train.py ------------------------------------------------------------------
+
+
+def test_token_file_trains_the_gpt_example(tmp_path):
+    language = markov_language(64, 4, 0)
+    for name, seed in [("train", 1), ("val", 2)]:
+        tokens = copy_task_sequences(64, 65, language, seed).numpy().ravel()
+        write_tokens(tmp_path / f"{name}.bin", tokens, vocab_size=64)
+    run = run_train(
+        tmp_path / "run",
+        "data=token_file",
+        f"data.train_path={tmp_path / 'train.bin'}",
+        f"data.val_path={tmp_path / 'val.bin'}",
+        *TINY_GPT,
+        *FAST,
+    )
+    config = json.loads((run.run_dir / "config.json").read_text())
+    assert config["data"]["vocab_size"] == config["model"]["vocab_size"] == 64  # from train.json
+    assert config["data"]["dtype"] == "uint16"
+    metrics = run.summary["metrics"]
+    assert metrics["val/ppl"] == pytest.approx(math.exp(metrics["val/loss"]), rel=1e-6)
+    assert metrics["val/ppl"] < 64  # better than a uniform guess over the vocabulary
+    assert run.summary["best"]["name"] == "val/loss"  # model=gpt monitors the loss (min)
+    assert run.summary["best"]["value"] == min(run.summary["best"]["value"], metrics["val/loss"])
+
+
+def test_hf_trains_from_parquet_and_csv_and_names_the_columns_it_has(tmp_path):
+    needs_datasets()
+    import datasets
+
+    images, labels = load_digits()
+    pixels = images.reshape(len(labels), 64).numpy()
+    table = datasets.Dataset.from_dict({"features": pixels.tolist(), "cls": labels.tolist()})
+    table.to_parquet(str(tmp_path / "digits.parquet"))
+    columns = {f"p{i}": pixels[:, i].tolist() for i in range(64)} | {"cls": labels.tolist()}
+    datasets.Dataset.from_dict(columns).to_csv(str(tmp_path / "digits.csv"))
+    (tmp_path / "cache").mkdir()  # datasets' cache here, not in ~/.cache
+    common = ["data=hf", "data.targets=cls", f"data.cache_dir={tmp_path / 'cache'}", *FAST]
+
+    parquet = run_train(
+        tmp_path / "parquet",
+        "data.format=parquet",
+        f"data.train_files={tmp_path / 'digits.parquet'}",
+        "data.inputs=features",
+        *common,
+    )
+    assert parquet.summary["metrics"]["val/acc"] > 0.5  # chance is 0.1
+    assert parquet.summary["best"]["name"] == "val/acc"  # classification keeps accuracy
+    assert "val/ppl" not in parquet.summary["metrics"]
+    # CSV: 64 columns stacked into the inputs; the same split gives the same result.
+    csv = run_train(
+        tmp_path / "csv",
+        "data.format=csv",
+        f"data.train_files={tmp_path / 'digits.csv'}",
+        f"data.inputs=[{','.join(f'p{i}' for i in range(64))}]",
+        *common,
+    )
+    learned = {k: v for k, v in parquet.summary["metrics"].items() if not k.startswith("perf/")}
+    assert {k: csv.summary["metrics"][k] for k in learned} == pytest.approx(learned, abs=1e-6)
+
+    wrong = run_train(
+        tmp_path / "wrong",
+        "data.format=parquet",
+        f"data.train_files={tmp_path / 'digits.parquet'}",
+        "data.inputs=pixels",
+        *common,
+        check=False,
+    )
+    assert wrong.proc.returncode == 2, wrong.output[-3000:]
+    assert "data.inputs='pixels' is not allowed" in wrong.output
+    assert "it has: features, cls" in wrong.output
+    assert not (tmp_path / "wrong").exists()  # refused before any work, nothing left
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_stream_resumed_after_kill_9_trains_on_the_same_samples(processes, tmp_path, monkeypatch):
+    """data.windows=stream (an IterableDataset): a run killed -9 in the save of step
+    20 trained, in its first 20 steps and its resume together, on exactly the
+    windows of the stream's first 30 global batches, each once; one process: the
+    final weights equal an uninterrupted run's."""
+    batch, seq_len = 8, 16  # per process (TINY_GPT)
+    assets = PROJECT_ROOT / "src" / "{{ cookiecutter.package_name }}" / "assets"
+    train_path = assets / "tokens_train.bin"
+    args = [
+        *TINY_GPT,
+        "data=token_file",
+        "data.windows=stream",
+        # explicit: ${project_root:} is tests/ under tests/train_with_faults.py
+        f"data.train_path={train_path}",
+        f"data.val_path={assets / 'tokens_val.bin'}",
+        "model._target_=tests.faults.RecordsWindows",
+        *FAST,
+        "trainer.max_steps=30",
+        "checkpoint.every_n_steps=10",
+        *(["parallel=ddp", "parallel.cpu_processes=2"] if processes == 2 else []),
+    ]
+    # What an uninterrupted run trains on: the stream's first 30 global batches
+    # (every process's micro-batch of a step comes from the one stream, in order).
+    stream = TokenStream(str(train_path), seq_len, "uint16", seed=42, batch_size=batch)
+    windows = [x for x, _ in itertools.islice(iter(stream), 30 * batch * processes)]
+    expected = sorted(sample_hash(x) for x in windows)
+    assert len(set(expected)) == len(expected)  # no window twice
+
+    def seen(log_dir: Path, steps: int | None = None) -> list[str]:
+        files = sorted(log_dir.glob("*.txt"))
+        assert len(files) == processes  # one per training process
+        lines = [f.read_text().splitlines() for f in files]
+        return [h for part in lines for h in (part if steps is None else part[: steps * batch])]
+
+    monkeypatch.setenv("PYTHONPATH", ENV["PYTHONPATH"])  # tests.faults in every process
+    for part in ("ref", "first", "second"):
+        (tmp_path / part).mkdir()
+    run = tmp_path / "run"
+    monkeypatch.setenv("SAMPLE_LOG", str(tmp_path / "first"))
+    kill_when_paused(run, "before_pointers", 20, *args)
+    monkeypatch.setenv("SAMPLE_LOG", str(tmp_path / "second"))
+    resumed = run_train(run, *args)
+    assert resumed.summary["resumed_from"] == str(ckpt_dir(run, 20))
+    assert sorted(seen(tmp_path / "first", steps=20) + seen(tmp_path / "second")) == expected
+    if processes == 1:  # and bit-exact: the same weights as without the kill
+        monkeypatch.setenv("SAMPLE_LOG", str(tmp_path / "ref"))
+        ref = run_train(tmp_path / "ref_run", *args)
+        assert sorted(seen(tmp_path / "ref")) == expected
+        assert fingerprints(run) == fingerprints(ref.run_dir)
