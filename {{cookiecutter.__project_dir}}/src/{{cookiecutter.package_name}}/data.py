@@ -8,7 +8,7 @@ and C. Kaynak), the same file scikit-learn ships, so training needs no network.
 Replace this module with your own data: a function returning
 ``loaders.make_loaders(...)``, which applies the rules that make runs reproducible
 and resumable (README: "Your own data"). Data on disk: ``token_file.py``
-(``data=token_file``), ``hf_data.py`` (``data=hf``); streaming: ``streaming.py``.
+(``data=token_file``), ``hf_data.py`` (``data=hf``); a stream: ``token_file.TokenStream``.
 """
 
 import gzip

@@ -39,7 +39,7 @@ def make_loaders(
     pin_memory: bool | None = None,
 ) -> DataLoaders:
     """Training and validation loaders for two datasets (map-style: ``__len__`` and
-    ``__getitem__``; or iterable, see ``streaming.py``):
+    ``__getitem__``; or iterable: a stream, e.g. ``token_file.TokenStream``):
 
     - the training order comes from the loader's own ``torch.Generator`` seeded with
       ``seed`` (never the global RNG); accelerate reseeds it per epoch, so the order
@@ -71,7 +71,7 @@ def make_loaders(
     train = DataLoader(
         train_set,
         batch_size=batch_size,
-        # An iterable dataset has its own order (streaming.py); a loader cannot shuffle it.
+        # An iterable dataset has its own order (token_file.TokenStream); no shuffling.
         shuffle=not isinstance(train_set, IterableDataset),
         drop_last=False,
         # Own generator: the shuffle and the workers' base seed never touch
