@@ -206,6 +206,23 @@ def test_hf_trains_from_parquet_and_csv_and_names_the_columns_it_has(tmp_path):
     assert not (tmp_path / "wrong").exists()  # refused before any work, nothing left
 
 
+def test_a_stream_refuses_what_needs_an_epoch_length(tmp_path):
+    """No trainer.max_steps, or checkpoints every N epochs: exit 2 naming the key."""
+    stream = [*TINY_GPT, "data=token_file", "data.windows=stream", *FAST]
+    cases = {
+        "trainer.max_steps=None is not allowed": ["trainer.max_steps=null"],
+        "checkpoint.every_n_epochs=1 is not allowed": [
+            "trainer.max_steps=5",
+            "checkpoint.every_n_epochs=1",
+        ],
+    }
+    for i, (message, overrides) in enumerate(cases.items()):
+        refused = run_train(tmp_path / str(i), *stream, *overrides, check=False)
+        assert refused.proc.returncode == 2, refused.output[-3000:]
+        assert message in refused.output
+        assert not (tmp_path / str(i) / "checkpoints").exists()  # nothing saved
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("processes", [1, 2])
 def test_a_stream_resumed_after_kill_9_trains_on_the_same_samples(processes, tmp_path, monkeypatch):

@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save as save_safetensors
 
-from ..config import allowed_config_changes, config_differences
+from ..config import ConfigError, allowed_config_changes, config_differences
 from ..loaders import batches_per_epoch
 from ..state import Position, TrainState, rng_state, set_rng_state
 from . import async_save, commit, elastic, folder, full_state, policy, sharded
@@ -59,6 +59,12 @@ class CheckpointManager:
         self.accelerator = accelerator
         self.state = state
         self.batches_per_epoch = batches_per_epoch(state.train_loader)  # None: a stream
+        if self.batches_per_epoch is None and self.ck.get("every_n_epochs"):
+            raise ConfigError(
+                f"checkpoint.every_n_epochs={self.ck['every_n_epochs']} is not allowed with a "
+                "training set that has no length (a stream has no epoch end to save at): "
+                "expected checkpoint.every_n_epochs=null and checkpoint.every_n_steps=N"
+            )
         self.batch_size = elastic.per_process_batch(state.train_loader, accelerator.num_processes)
         # checkpoint.format: auto = sharded under FSDP (no rank gathers the state), else full
         layout = str(self.ck.get("format", "auto"))
