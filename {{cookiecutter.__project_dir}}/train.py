@@ -24,7 +24,9 @@ from {{ cookiecutter.package_name }}.accel import build_accelerator, weights_fin
 from {{ cookiecutter.package_name }}.checkpoint import (
     CheckpointError,
     CheckpointManager,
+    plain_model,
     plan_grad_accum,
+    save_final_weights,
 )
 from {{ cookiecutter.package_name }}.config import (
     ConfigError,
@@ -289,9 +291,9 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
         **stopper.summary(),  # trainer.early_stopping: whether, when and why it stopped
     }
     write_summary(run_dir, summary)
-    plain = accelerator.unwrap_model(model, keep_torch_compile=False)  # no DDP/compile wrapper
+    plain = plain_model(accelerator, model)  # no DDP/compile wrapper
     log.info(f"final weights fingerprint {weights_fingerprint(plain)}")
-    accelerator.save_model(plain, run_dir)  # final weights: model.safetensors
+    save_final_weights(accelerator, model, run_dir)  # model.safetensors
     log_final_model(accelerator, cfg, run_dir, loaders.val)  # MLflow: the model and weights
     log.info(
         f"done: {step} steps in {wall:.1f}s | "

@@ -18,6 +18,7 @@ import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from . import task
+from .checkpoint.full_state import plain_model
 from .config import ConfigError, require
 
 
@@ -47,7 +48,7 @@ class WeightAverage:
         )
 
     def _plain(self, model: torch.nn.Module) -> torch.nn.Module:
-        return self._accelerator.unwrap_model(model, keep_torch_compile=False)
+        return plain_model(self._accelerator, model)
 
     @property
     def stateful(self) -> dict[str, WeightAverage]:

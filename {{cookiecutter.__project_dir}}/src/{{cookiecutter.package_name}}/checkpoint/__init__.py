@@ -12,6 +12,7 @@ shards), ``elastic`` (resuming on another number of processes), ``__main__``
 from .elastic import plan_grad_accum
 from .folder import committed_checkpoints
 from .format import CheckpointError, ConfigMismatch, load_tensors_safely, verify_checkpoint
+from .full_state import plain_model, save_final_weights
 from .manager import CheckpointManager
 
 __all__ = [
@@ -20,6 +21,8 @@ __all__ = [
     "ConfigMismatch",
     "committed_checkpoints",
     "load_tensors_safely",
+    "plain_model",
     "plan_grad_accum",
+    "save_final_weights",
     "verify_checkpoint",
 ]

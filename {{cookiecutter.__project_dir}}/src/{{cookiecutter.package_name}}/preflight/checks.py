@@ -23,6 +23,7 @@ from accelerate.utils import gather_object
 from omegaconf import DictConfig
 
 from .. import tracking
+from ..checkpoint.full_state import plain_model
 from ..loaders import batches_per_epoch
 from ..throughput import Throughput
 
@@ -316,7 +317,7 @@ def check_speed(
     eta = remaining * t.step_s + len(evals) * t.eval_s + len(saves) * save_s
     rt.steps_per_sec, rt.eta_s = steps_per_sec, eta
     throughput = Throughput(
-        acc.unwrap_model(state.model),
+        plain_model(acc, state.model),
         acc.device,
         acc.num_processes,
         acc.mixed_precision,
