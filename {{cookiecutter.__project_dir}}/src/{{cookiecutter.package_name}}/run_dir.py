@@ -148,12 +148,24 @@ class Claim:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
-def inspect(run_dir: Path, cfg: DictConfig) -> tuple[str, dict[str, Any] | None]:
+# What the launch's main process writes while it claims a new run dir, before
+# config.json: another process of the launch may look in the middle of it.
+CLAIM_FILES = {".hydra", "config.yaml", ".config.yaml.tmp", ".config.json.tmp", "train.log"}
+
+
+def inspect(
+    run_dir: Path, cfg: DictConfig, *, main: bool = True
+) -> tuple[str, dict[str, Any] | None]:
     """Read-only: (kind, summary) of ``run_dir`` for this config. Raises
-    RunDirError for another run's directory. Every launching process may ask."""
+    RunDirError for another run's directory. Every launching process asks; the
+    others (``main=False``) ask while the main process may be writing its claim,
+    so they count what it writes as nothing (a new run) and leave the
+    ``resume=never`` refusal to it (its config.json may be the one just written)."""
     if not _holds_files(run_dir):
         return "new", None
     saved_path = run_dir / "config.json"
+    if not main and not saved_path.is_file() and {p.name for p in run_dir.iterdir()} <= CLAIM_FILES:
+        return "new", None  # the main process is claiming it right now
     if not saved_path.is_file():
         found = ", ".join(sorted(p.name for p in run_dir.iterdir())[:5])
         raise RunDirError(
@@ -172,7 +184,7 @@ def inspect(run_dir: Path, cfg: DictConfig) -> tuple[str, dict[str, Any] | None]
             + "): a new run does not write into it. Use another run_name (or hydra.run.dir) "
             "for a new run, or put those keys back to continue that one"
         )
-    if cfg.checkpoint.get("resume") == "never":
+    if main and cfg.checkpoint.get("resume") == "never":
         raise RunDirError(
             f"checkpoint.resume=never, but {run_dir} already holds a run of this config: "
             "starting over in it would mix two runs. Use another run_name (or hydra.run.dir), "
@@ -220,7 +232,7 @@ def claim(run_dir: Path, cfg: DictConfig, raw: DictConfig | None = None) -> Iter
         if main:
             run_dir.mkdir(parents=True, exist_ok=True)
             lock_fd = _lock(run_dir)
-        kind, summary = inspect(run_dir, cfg)
+        kind, summary = inspect(run_dir, cfg, main=main)
         if main and kind != "finished":
             save_resolved_config(cfg, run_dir, raw)
             open_run_logs()
