@@ -67,10 +67,15 @@ class RecordsSamples(MLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
-            lines = "".join(f"{sample_hash(row)}\n" for row in x)
-            with open(Path(os.environ["SAMPLE_LOG"]) / f"{os.getpid()}.txt", "a") as f:
-                f.write(lines)
+            record_samples(x)
         return super().forward(x)
+
+
+def record_samples(x: torch.Tensor) -> None:
+    """Append a hash of each row of ``x`` to ``$SAMPLE_LOG/<pid>.txt``."""
+    lines = "".join(f"{sample_hash(row)}\n" for row in x)
+    with open(Path(os.environ["SAMPLE_LOG"]) / f"{os.getpid()}.txt", "a") as f:
+        f.write(lines)
 
 
 def sample_hash(row: torch.Tensor) -> str:
@@ -84,7 +89,5 @@ class RecordsWindows(GPT):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
-            lines = "".join(f"{sample_hash(row)}\n" for row in x)
-            with open(Path(os.environ["SAMPLE_LOG"]) / f"{os.getpid()}.txt", "a") as f:
-                f.write(lines)
+            record_samples(x)
         return super().forward(x)

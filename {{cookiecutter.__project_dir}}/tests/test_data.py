@@ -158,6 +158,16 @@ def test_token_file_trains_the_gpt_example(tmp_path):
     assert run.summary["best"]["value"] == min(run.summary["best"]["value"], metrics["val/loss"])
 
 
+def test_a_stream_with_preflight_on_trains_the_same_weights(tmp_path):
+    """The defaults on (preflight's timed steps and checkpoint round trip, the
+    checkpoints): preflight takes nothing from a stream that training then misses."""
+    stream = [*TINY_GPT, "data=token_file", "data.windows=stream", "trainer.max_steps=20"]
+    off = run_train(tmp_path / "off", *stream, "preflight=off")
+    on = run_train(tmp_path / "on", *stream)
+    assert (on.run_dir / "preflight.json").is_file()
+    assert fingerprints(on.run_dir) == fingerprints(off.run_dir) != {}
+
+
 def test_hf_trains_from_parquet_and_csv_and_names_the_columns_it_has(tmp_path):
     needs_datasets()
     import datasets
