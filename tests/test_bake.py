@@ -86,6 +86,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "pyproject.toml",
         "bench.py",
         "scripts/bench_checkpoint.py",
+        "scripts/bench_step.py",
         "scripts/bench_ckpt_memory.py",
         "scripts/bench_children.py",
         "scripts/bench_tracking.py",

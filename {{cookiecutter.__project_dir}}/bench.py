@@ -3,7 +3,7 @@
     python bench.py                          # every figure; a few minutes; prints a table
     python bench.py --quick                  # tiny sizes, 1 round (CI: printed, not judged)
     python bench.py --json bench.json        # also write the figures, settings and machine
-    python bench.py --only checkpoint        # some parts: loop, startup, checkpoint, log
+    python bench.py --only checkpoint        # some parts: loop, ddp, startup, checkpoint, log, step
     python bench.py --only ckpt_memory       # peak memory per rank: full vs sharded (FSDP, 2 ranks)
     python bench.py --trackers csv,tensorboard --repeats 7
     python bench.py --overrides model=mlp data=digits    # another workload (Hydra overrides)
@@ -35,6 +35,10 @@ load_ratio          our load (every checksum verified, weights_only, applied) / 
                     torch.load + load_state_dict of the same state
 async_block_ratio   time ``save`` blocks training with ``checkpoint.async=true`` / without  <= 0.25
 log_overhead        1 - steps/s with ``tracker=[--trackers]`` / with ``tracker=none``        <= 0.01
+step_ratio          one optimizer step, in one process: the bare step / the loop's own      >= 0.98
+                    (``state.optimizer_step`` through accelerate, the NaN guard, the
+                    prepared loader), in alternating blocks: the per-step cost without
+                    the between-process drift of a shared machine
 ==================  =====================================================================  ======
 
 ``--only startup`` also lists the fixed costs of a start one by one (interpreter,
@@ -72,12 +76,14 @@ GOALS = {  # figure: (comparison, goal, the baseline it is measured against)
     "load_ratio": ("<=", 1.15, "torch.load + load_state_dict"),
     "async_block_ratio": ("<=", 0.25, "our synchronous save"),
     "log_overhead": ("<=", 0.01, "tracker=none, steps/s"),
+    "step_ratio": (">=", 0.98, "the bare step, same process, alternating"),
 }
-PARTS = ("loop", "ddp", "startup", "checkpoint", "log")
+PARTS = ("loop", "ddp", "startup", "checkpoint", "log", "step")
 CHILDREN = ROOT / "scripts" / "bench_children.py"  # the timed processes
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_checkpoint import bench_checkpoint  # noqa: E402 (the checkpoint figures, in-process)
 from bench_ckpt_memory import bench_ckpt_memory  # noqa: E402 (full vs sharded, 2 FSDP ranks)
+from bench_step import bench_step  # noqa: E402 (the step alone: ours vs bare, in-process)
 
 EXTRA_PARTS = ("ckpt_memory",)  # only when named in --only
 
@@ -398,6 +404,11 @@ def main(argv: list[str] | None = None) -> int:
             (work / "checkpoint").mkdir()
             config = compose([*overrides, *size])
             bench_checkpoint(args, config, work / "checkpoint", results)
+        if "step" in args.only:
+            print("one optimizer step, ours and bare in alternating blocks in this process:")
+            (work / "step").mkdir()
+            config = compose([*overrides, "tracker=none", "parallel=none"])
+            bench_step(args, config, work / "step", results)
         if "ckpt_memory" in args.only:
             bench_ckpt_memory(args, compose, work, results)
     finally:

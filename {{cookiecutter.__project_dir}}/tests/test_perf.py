@@ -276,11 +276,13 @@ def test_bench_quick_mode_reports_every_figure(tmp_path):
         "load_ratio",
         "async_block_ratio",
         "log_overhead",
+        "step_ratio",
     }
     assert set(report["baselines"]) == set(figures) and all(report["baselines"].values())
     costs = report["details"]["startup_costs_s"]  # --only startup's list of fixed costs
     assert {"import torch", "preflight (example task, defaults)"} <= set(costs)
     assert all(v >= 0 for v in costs.values())
+    assert report["details"]["ours_step_ms"] > 0 and report["details"]["bare_step_ms"] > 0
     assert all(math.isfinite(v) for v in figures.values())
     assert all(figures[k] > 0 for k in figures if k != "log_overhead")  # ratios of timings
     assert report["settings"]["quick"] is True and "csv" in report["settings"]["trackers"]
