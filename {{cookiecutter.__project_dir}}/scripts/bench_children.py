@@ -79,8 +79,6 @@ def child_bare(spec: dict) -> None:
     install_step_clock(spec["out"])
     import torch
 
-    from {{ cookiecutter.package_name }} import task  # the same loss as train.py's
-
     cfg, steps = spec["config"], spec["steps"]
     rank = int(os.environ.get("LOCAL_RANK", 0))
     cuda = torch.cuda.is_available()
@@ -103,20 +101,30 @@ def child_bare(spec: dict) -> None:
     done = 0
     while done < steps:
         for batch in loaders.train:
-            batch = [t.to(device, non_blocking=True) for t in batch]
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                loss = task.loss(model=model, batch=batch)
-            loss.backward()
-            if clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            bare_step(model, optimizer, batch, clip=clip, bf16=bf16, device=device)
             scheduler.step()
             done += 1
             if done == steps:
                 break
     if spec.get("ddp"):
         torch.distributed.destroy_process_group()
+
+
+def bare_step(model, optimizer, batch, *, clip: float | None, bf16: bool, device):
+    """One step of the bare loop (bench_step.py times it in-process too)."""
+    import torch
+
+    from {{ cookiecutter.package_name }} import task  # the same loss as train.py's
+
+    batch = [t.to(device, non_blocking=True) for t in batch]
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        loss = task.loss(model=model, batch=batch)
+    loss.backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
 
 
 def child_startup(spec: dict) -> None:

@@ -16,9 +16,9 @@ from pathlib import Path
 
 def bench_step(args, config: dict, work: Path, results: dict) -> None:
     import torch
+    from bench_children import bare_step  # the bare loop's own step
     from omegaconf import OmegaConf
 
-    from {{ cookiecutter.package_name }} import task
     from {{ cookiecutter.package_name }}.accel import build_accelerator
     from {{ cookiecutter.package_name }}.config import instantiate
     from {{ cookiecutter.package_name }}.nonfinite import LossGuard
@@ -45,15 +45,12 @@ def bench_step(args, config: dict, work: Path, results: dict) -> None:
 
     plain_batches, our_batches = forever(loaders.train), forever(prepared)
 
-    def bare() -> None:  # what scripts/bench_children.py's bare loop does per step
+    bf16 = accelerator.mixed_precision == "bf16"
+
+    def bare() -> None:  # the bare loop's step (bench_children.py)
         nonlocal loss_sum
-        batch = [t.to(device, non_blocking=True) for t in next(plain_batches)]
-        loss = task.loss(model=model, batch=batch)
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        batch = next(plain_batches)
+        loss = bare_step(model, optimizer, batch, clip=clip, bf16=bf16, device=device)
         loss_sum += loss.detach()
 
     def ours() -> None:  # what train.py's loop does per step, but the bookkeeping
