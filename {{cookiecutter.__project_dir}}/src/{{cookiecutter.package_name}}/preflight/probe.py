@@ -227,13 +227,15 @@ def _time_steps(cfg: DictConfig, acc: Any, state: TrainState) -> Timing:
         # still scatter: a tiny model's few milliseconds would measure the OS
         # scheduler, not the step. Steady times are estimate enough (preflight's
         # cost stays small, README "Performance"). Every rank takes the same
-        # number (each step holds collectives).
+        # number (each step holds collectives), so every rank asks the others,
+        # also one whose own steps took long enough: the ranks' clocks differ, and
+        # a rank that skipped this collective would hang the others in it.
         steps, elapsed = pf.timed_steps, time.perf_counter() - started
-        if elapsed < pf.min_timed_seconds:
+        more = 0
+        if elapsed < pf.min_timed_seconds and not _steady(each):
             more = math.ceil(pf.min_timed_seconds * steps / max(elapsed, 1e-9)) - steps
-            if _steady(each):
-                more = 0
-            more = min(_max_over_ranks(acc, more), 100 * steps)
+        more = min(_max_over_ranks(acc, more), 100 * steps)
+        if more:
             for _ in range(more):
                 _add(counts, _train_step(acc, state, guard, batches, trainer.grad_clip_norm))
             steps += more
