@@ -98,10 +98,11 @@ def child_bare(spec: dict) -> None:
         model = torch.compile(model)
     bf16 = cfg["trainer"]["mixed_precision"] == "bf16"
     clip = cfg["trainer"]["grad_clip_norm"]
+    bare_step = bare_stepper(clip=clip, bf16=bf16, device=device)
     done = 0
     while done < steps:
         for batch in loaders.train:
-            bare_step(model, optimizer, batch, clip=clip, bf16=bf16, device=device)
+            bare_step(model, optimizer, batch)
             scheduler.step()
             done += 1
             if done == steps:
@@ -110,21 +111,25 @@ def child_bare(spec: dict) -> None:
         torch.distributed.destroy_process_group()
 
 
-def bare_step(model, optimizer, batch, *, clip: float | None, bf16: bool, device):
-    """One step of the bare loop (bench_step.py times it in-process too)."""
+def bare_stepper(*, clip: float | None, bf16: bool, device):
+    """The bare loop's step, ``step(model, optimizer, batch) -> loss`` (bench_step.py
+    times it in-process too). The imports happen here, once, not in every step."""
     import torch
 
     from {{ cookiecutter.package_name }} import task  # the same loss as train.py's
 
-    batch = [t.to(device, non_blocking=True) for t in batch]
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-        loss = task.loss(model=model, batch=batch)
-    loss.backward()
-    if clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss
+    def step(model, optimizer, batch):
+        batch = [t.to(device, non_blocking=True) for t in batch]
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = task.loss(model=model, batch=batch)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return step
 
 
 def child_startup(spec: dict) -> None:

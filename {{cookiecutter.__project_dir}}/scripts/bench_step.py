@@ -16,7 +16,7 @@ from pathlib import Path
 
 def bench_step(args, config: dict, work: Path, results: dict) -> None:
     import torch
-    from bench_children import bare_step  # the bare loop's own step
+    from bench_children import bare_stepper  # the bare loop's own step
     from omegaconf import OmegaConf
 
     from {{ cookiecutter.package_name }}.accel import build_accelerator
@@ -45,12 +45,12 @@ def bench_step(args, config: dict, work: Path, results: dict) -> None:
 
     plain_batches, our_batches = forever(loaders.train), forever(prepared)
 
-    bf16 = accelerator.mixed_precision == "bf16"
+    bare_step = bare_stepper(clip=clip, bf16=accelerator.mixed_precision == "bf16", device=device)
 
     def bare() -> None:  # the bare loop's step (bench_children.py)
         nonlocal loss_sum
         batch = next(plain_batches)
-        loss = bare_step(model, optimizer, batch, clip=clip, bf16=bf16, device=device)
+        loss = bare_step(model, optimizer, batch)
         loss_sum += loss.detach()
 
     def ours() -> None:  # what train.py's loop does per step, but the bookkeeping
