@@ -29,7 +29,7 @@ NEXT_STEPS = [
     'pip install torch==2.13.0   # first; CPU wheel or CUDA build: README.md, "Installing torch"',
     "pip install -e '.[dev]'",
     "python train.py            # train the example task",
-    "pytest                     # run the project's tests",
+    "pytest -n auto             # run the project's tests, one per CPU core (-n 0: in turn)",
 ]
 
 # cookiecutter's abbreviations, written out: cruft clones the template with git

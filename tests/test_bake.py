@@ -422,8 +422,9 @@ def test_default_bake_installs_and_passes_in_a_fresh_venv(baked, tmp_path):
     # resume cases) are `pytest -m slow`. Every test's duration is in the log.
     (REPO / "build").mkdir(exist_ok=True)
     junit = REPO / "build" / "default-bake-junit.xml"
-    # -v: the log says which test runs, while it runs
-    selection = ["-m", "not slow or ci", "-v", "--durations=0", f"--junitxml={junit}"]
+    # -v: the log says which test runs, while it runs; -n auto: as the project README says
+    selection = ["-m", "not slow or ci", "-n", "auto", "-v", "--durations=0"]
+    selection.append(f"--junitxml={junit}")
     log = REPO / "build" / "default-bake-pytest.log"
     run_pytest(py, project, *selection, env=clean_env, log=log)
     # The accuracy run ran and passed: not skipped, not deselected (read from the report,

@@ -137,6 +137,18 @@ def start_nodes(cwd: Path, run_dirs: list[Path], port: int, *overrides: str) -> 
     ]
 
 
+def finish(nodes: list, timeout: float = 300) -> list[str]:
+    """Each node's output once it exits; a node still running after `timeout` is
+    killed with the others (a hang must not leave processes loading the machine)."""
+    try:
+        return [n.communicate(timeout=timeout)[0] for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+                n.communicate()
+
+
 # Two nodes with everything a user gets by default (preflight, checkpoints),
 # slow enough steps to be killed mid-run.
 NODES = [
@@ -154,7 +166,7 @@ def test_two_nodes_run_and_resume_after_kill_9_bit_exactly(tmp_path):
     commands again: resumed, and the weights of an uninterrupted 2-node run."""
     straight = tmp_path / "straight"  # on a cluster: a shared filesystem
     nodes = start_nodes(tmp_path, [straight, straight], free_port(), *NODES)
-    outputs = [n.communicate(timeout=300)[0] for n in nodes]
+    outputs = finish(nodes)
     assert [n.returncode for n in nodes] == [0, 0], outputs
     assert_two_rank_run(straight)
     assert (straight / "preflight.json").is_file()
@@ -170,7 +182,7 @@ def test_two_nodes_run_and_resume_after_kill_9_bit_exactly(tmp_path):
             n.communicate()
     assert not (run_dir / "summary.json").exists()
     nodes = start_nodes(tmp_path, [run_dir, run_dir], port, *NODES)  # the same commands
-    outputs = [n.communicate(timeout=300)[0] for n in nodes]
+    outputs = finish(nodes)
     assert [n.returncode for n in nodes] == [0, 0], outputs
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_from"] and summary["step"] == 40
@@ -181,7 +193,7 @@ def test_node_local_run_dirs_stop_before_training_with_the_reason(tmp_path):
     """Each node its own run dir (no shared storage): refused on both, nothing trained."""
     dirs = [tmp_path / "node0" / "run", tmp_path / "node1" / "run"]
     nodes = start_nodes(tmp_path, dirs, free_port(), *FAST)
-    outputs = [n.communicate(timeout=300)[0] for n in nodes]
+    outputs = finish(nodes)
     assert [n.returncode for n in nodes] == [2, 2], outputs
     assert "the run directory is not shared by every process: rank 1" in outputs[0]
     assert "put the runs on shared storage" in outputs[0]
