@@ -7,7 +7,14 @@ data and optimizer, in blocks that alternate within one process.
 
 Why in one process: between processes, steps/s on a shared 2-core VM drifts by
 up to 30 % over tens of seconds (README, "Performance"), more than the 2 % this
-figure judges; blocks that alternate every ~0.5 s see the same machine."""
+figure judges; blocks of 10 steps (~0.1 s) that alternate see the same machine
+(blocks of 40 steps gave medians ~0.3 ms apart for identical sides here).
+
+With the log part (``--only log``) two more sides alternate with them: the step
+plus, every ``trainer.log_every_n_steps``, the metrics train.py builds at a log
+step (the loss all-reduce and its host sync included), once without and once
+with ``accelerator.log`` to the ``--trackers`` (``log_overhead``: what the
+trackers cost, the rest of a log step being the same with ``tracker=none``)."""
 
 import statistics
 import time
@@ -24,8 +31,9 @@ def bench_step(args, config: dict, work: Path, results: dict) -> None:
     from {{ cookiecutter.package_name }}.nonfinite import LossGuard
     from {{ cookiecutter.package_name }}.state import TrainState, optimizer_step
 
-    cfg = OmegaConf.create(config)  # the resolved config of the workload (tracker=none)
+    cfg = OmegaConf.create(config)  # the workload's resolved config (--trackers, or none)
     accelerator = build_accelerator(cfg, work)
+    accelerator.init_trackers(cfg.project)
     loaders = instantiate(cfg.data, what="data")
     model = instantiate(cfg.model, what="model")
     optimizer = instantiate(cfg.optimizer, what="optimizer")(model.parameters())
@@ -64,6 +72,36 @@ def bench_step(args, config: dict, work: Path, results: dict) -> None:
         )
         loss_sum += loss.detach()
 
+    log_every, logged = cfg.trainer.log_every_n_steps, [0]
+
+    def logging(track: bool):  # ours, and a log step's metrics every log_every steps
+        count = 0
+
+        def step() -> None:
+            nonlocal count, loss_sum
+            loss, norm = optimizer_step(
+                accelerator=accelerator,
+                state=state,
+                batch=next(our_batches),
+                guard=guard,
+                clip_norm=clip,
+            )
+            loss_sum += loss.detach()
+            count += 1
+            if count % log_every == 0:
+                metrics = {
+                    "train/loss": accelerator.reduce(loss_sum, "mean").item() / log_every,
+                    "train/lr": optimizer.param_groups[0]["lr"],
+                    "train/grad_norm": float(norm if norm is not None else 0.0),
+                    "perf/steps_per_sec": float(count),
+                }
+                loss_sum.zero_()
+                if track:
+                    accelerator.log(metrics, step=logged[0])
+                    logged[0] += 1
+
+        return step
+
     def block(step, n: int) -> float:
         start = time.perf_counter()
         for _ in range(n):
@@ -72,20 +110,28 @@ def bench_step(args, config: dict, work: Path, results: dict) -> None:
             torch.cuda.synchronize()
         return (time.perf_counter() - start) / n
 
-    n = 5 if args.quick else 40
-    times: dict[str, list[float]] = {"bare": [], "ours": []}
+    n = log_every  # every block of the log sides has one log step
     sides = {"bare": bare, "ours": ours}
-    for round_ in range(1 + (2 if args.quick else 5 * args.repeats)):  # round 0: warm-up
+    if "log" in args.only:
+        sides |= {"ours, tracker=none": logging(False), "ours, trackers": logging(True)}
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    warmup = 1 if args.quick else 4  # rounds not counted
+    for round_ in range(warmup + (2 if args.quick else 40 * args.repeats)):
         for name in sides if round_ % 2 else reversed(sides):
             seconds = block(sides[name], n)
-            if round_:
+            if round_ >= warmup:
                 times[name].append(seconds)
     med = {name: statistics.median(values) for name, values in times.items()}
     rounds = len(times["bare"])
     for name, value in med.items():
-        print(f"  {name + ' step':<24} {value * 1000:9.2f} ms (median of {rounds} blocks of {n})")
+        print(f"  {name + ' step':<28} {value * 1000:9.2f} ms (median of {rounds} blocks of {n})")
     results["step_ratio"] = med["bare"] / med["ours"]
-    results.update({f"{name}_step_ms": value * 1000 for name, value in med.items()})
+    results["ours_step_ms"], results["bare_step_ms"] = med["ours"] * 1000, med["bare"] * 1000
+    if "log" in args.only:
+        results["log_overhead"] = 1 - med["ours, tracker=none"] / med["ours, trackers"]
+        results["log_calls"] = logged[0]
+        print(f"  {logged[0]} log calls to {', '.join(cfg.tracker)} (every {log_every} steps)")
+    accelerator.end_training()  # the trackers' files are complete
     # accelerate's state is one per process: the checkpoint part builds its own.
     from accelerate.state import AcceleratorState, GradientState
 

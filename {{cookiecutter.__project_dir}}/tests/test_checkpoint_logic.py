@@ -18,6 +18,7 @@ from {{ cookiecutter.package_name }}.config import (
     allowed_config_changes,
     config_differences,
 )
+from {{ cookiecutter.package_name }}.nonfinite import LossGuard, NonFiniteLoss
 from {{ cookiecutter.package_name }}.preemption import StopSignals, TrainingInterrupted
 from {{ cookiecutter.package_name }}.state import TrainState
 
@@ -217,3 +218,39 @@ def test_a_stop_signal_is_acted_on_by_poll_stop_and_finish():
     assert err.value.exit_code == 138 and "checkpoint saved at /x/step_0000002" in str(err.value)
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the old handler is back
     assert StopSignals(accelerator=Accelerator(cpu=True), enabled=False).poll_stop(1) is False
+
+
+@pytest.mark.parametrize("fold_at", [1024, 4, 1])
+@pytest.mark.parametrize(("accum", "bad_micro"), [(1, 6), (3, 6), (3, 14), (2, 19), (2, None)])
+def test_loss_guard_names_the_first_bad_step(accum, bad_micro, fold_at):
+    """on_nan=stop, as the loop drives it: checked at steps 5 and 10 (log steps),
+    folded every `fold_at` micro-batches: the error names the optimizer step of
+    the first non-finite micro-batch loss, at the first check after it."""
+    guard = LossGuard("stop", Accelerator(cpu=True))
+    guard.FOLD_AT = fold_at
+    expected = None if bad_micro is None else bad_micro // accum + 1
+    micro, raised_at = 0, None
+    for step in range(1, 11):
+        for _ in range(accum):
+            guard.observe(torch.tensor(float("nan") if micro == bad_micro else 0.5))
+            micro += 1
+        assert guard.agree_on_update()  # stop mode never drops an update
+        if step % 5 == 0:
+            try:
+                guard.check(step)
+            except NonFiniteLoss as err:
+                assert f"not finite (NaN/inf) at step {expected};" in str(err)
+                raised_at = step
+                break
+    assert raised_at == (None if expected is None else 5 * -(-expected // 5))
+
+
+def test_loss_guard_skip_mode_drops_exactly_the_bad_steps():
+    guard = LossGuard("skip", Accelerator(cpu=True))
+    decisions = []
+    for micro_losses in ([1.0, 1.0], [1.0, float("inf")], [float("nan"), 1.0], [2.0, 2.0]):
+        for loss in micro_losses:
+            guard.observe(torch.tensor(loss))
+        decisions.append(guard.agree_on_update())
+    assert decisions == [True, False, False, True] and guard.skipped == 2
+    guard.check(4)  # skip mode: a check never raises

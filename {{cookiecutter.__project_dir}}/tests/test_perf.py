@@ -283,6 +283,7 @@ def test_bench_quick_mode_reports_every_figure(tmp_path):
     assert {"import torch", "preflight (example task, defaults)"} <= set(costs)
     assert all(v >= 0 for v in costs.values())
     assert report["details"]["ours_step_ms"] > 0 and report["details"]["bare_step_ms"] > 0
+    assert report["details"]["log_calls"] > 0  # log_overhead's side really logged
     assert all(math.isfinite(v) for v in figures.values())
     assert all(figures[k] > 0 for k in figures if k != "log_overhead")  # ratios of timings
     assert report["settings"]["quick"] is True and "csv" in report["settings"]["trackers"]

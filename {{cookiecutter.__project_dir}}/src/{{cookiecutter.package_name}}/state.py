@@ -5,12 +5,15 @@ manager and preflight: what a checkpoint saves and restores. ``optimizer_step``
 is the one step the loop and preflight's timed steps take. README: "Checkpoints and resuming".
 """
 
+import functools
+import inspect
 import random
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+from accelerate.optimizer import AcceleratedOptimizer
 
 from . import task
 
@@ -63,8 +66,27 @@ def optimizer_step(
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_norm)
             if guard.agree_on_update():  # on_nan=skip drops a non-finite update
                 optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            zero_grad(optimizer)
     return loss, grad_norm
+
+
+def zero_grad(optimizer: Any) -> None:
+    """``optimizer.zero_grad(set_to_none=True)`` at a step's end. accelerate's plain
+    wrapper checks the inner optimizer's signature on every call (``inspect``:
+    ~15 us alone, ~0.1 ms of a 10 ms CPU step in ``bench.py --only step``); at an
+    optimizer step that is all it does besides the inner call, so the inner one
+    is called directly. Its subclasses (DeepSpeed's, whose engine zeroes its own
+    buffers) keep their own ``zero_grad``."""
+    inner = getattr(optimizer, "optimizer", None)
+    if type(optimizer) is AcceleratedOptimizer and _takes_set_to_none(type(inner).zero_grad):
+        inner.zero_grad(set_to_none=True)
+    else:
+        optimizer.zero_grad(set_to_none=True)
+
+
+@functools.cache
+def _takes_set_to_none(function: Any) -> bool:
+    return "set_to_none" in inspect.signature(function).parameters
 
 
 # --- RNG state as tensors and plain containers (so weights_only loading works) -------
