@@ -8,7 +8,7 @@ data and optimizer, in blocks that alternate within one process.
 Why in one process: between processes, steps/s on a shared 2-core VM drifts by
 up to 30 % over tens of seconds (README, "Performance"), more than the 2 % this
 figure judges; blocks of 10 steps (~0.1 s) that alternate see the same machine
-(blocks of 40 steps gave medians ~0.3 ms apart for identical sides here).
+(in blocks of 40 steps, a side that did strictly more came out 0.45 ms faster).
 
 With the log part (``--only log``) two more sides alternate with them: the step
 plus, every ``trainer.log_every_n_steps``, the metrics train.py builds at a log
