@@ -254,3 +254,29 @@ def test_loss_guard_skip_mode_drops_exactly_the_bad_steps():
         decisions.append(guard.agree_on_update())
     assert decisions == [True, False, False, True] and guard.skipped == 2
     guard.check(4)  # skip mode: a check never raises
+
+
+def test_streamed_safetensors_read_back_by_safetensors_bit_for_bit(tmp_path):
+    """The model file's own writer (no in-memory copy of the file) against the
+    safetensors reader: every dtype the table names, a 0-d, an empty and a tied
+    tensor, the metadata, and the bytes of safetensors' own writer's tensors."""
+    from safetensors import safe_open
+    from safetensors.torch import load as load_bytes
+    from safetensors.torch import save as save_bytes
+
+    weight = torch.randn(3, 5)
+    state = {f"t_{str(d)[6:]}": (torch.randn(4, 3) * 50).to(d) for d in fmt.SAFETENSORS_DTYPES}
+    state |= {"scalar": torch.tensor(2.5), "empty": torch.zeros(0, 7), "w": weight, "tied": weight}
+    path = tmp_path / "model.safetensors"
+    with path.open("wb") as out:
+        fmt.write_safetensors(out, fmt.unshared(state), {"step": "7"})
+    back = load_bytes(path.read_bytes())
+    assert sorted(back) == sorted(state)
+    for name, tensor in state.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata() == {"step": "7"}
+    theirs = load_bytes(save_bytes(fmt.unshared(state)))
+    assert all(torch.equal(theirs[k], back[k]) for k in state)
+    with pytest.raises(fmt.CheckpointError, match="complex64"):
+        fmt.write_safetensors(tmp_path / "x", {"c": torch.zeros(2, dtype=torch.complex64)}, {})

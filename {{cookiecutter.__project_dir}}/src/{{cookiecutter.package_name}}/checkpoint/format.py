@@ -19,6 +19,7 @@ import os
 import pickle
 import platform
 import shutil
+import sys
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,7 +28,6 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file as load_safetensors_file
-from safetensors.torch import save as save_safetensors
 
 # Re-exported: callers name them as format's (fmt.HASH, fmt.file_entry, fmt.sha256).
 from .checksums import (  # noqa: F401
@@ -317,6 +317,41 @@ def unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+
+
+def write_safetensors(out: Any, state: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """``state`` (``unshared``) to ``out`` in the safetensors format: an 8-byte
+    little-endian header length, the JSON header (padded with spaces to 8 bytes),
+    then each tensor's bytes in header order; ``safetensors`` reads it. Hand-written
+    because ``safetensors.torch.save`` builds the whole file as one bytes object
+    first: 72-107 ms for a 76 MB model here, as long as ``torch.save`` of its 152 MB
+    AdamW state. This writes each tensor's own buffer (no copy), hashed on the way."""
+    assert sys.byteorder == "little", "safetensors stores little-endian"
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, tensor in state.items():
+        if tensor.dtype not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{name}: dtype {tensor.dtype} has no safetensors code here")
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    out.write(len(text).to_bytes(8, "little") + text)
+    for tensor in state.values():
+        if tensor.numel():
+            out.write(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
 def torch_save(obj: Any, out: Any) -> None:
     """torch.save without its per-record CRC32: the manifest's checksum already
     covers every byte (torch.load reads such files as usual)."""
@@ -356,9 +391,7 @@ def write_main_files(
         "model.safetensors": writers.submit(
             write,
             "model.safetensors",
-            lambda out: out.write(
-                save_safetensors(unshared(model_state), metadata={"step": str(step)})
-            ),
+            lambda out: write_safetensors(out, unshared(model_state), {"step": str(step)}),
         )
     }
     pause_point("between_files", step)  # the model file written or in flight
