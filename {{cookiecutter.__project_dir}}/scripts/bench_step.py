@@ -61,9 +61,9 @@ def bench_step(args, config: dict, work: Path, results: dict) -> None:
         loss = bare_step(model, optimizer, batch)
         loss_sum += loss.detach()
 
-    def ours() -> None:  # what train.py's loop does per step, but the bookkeeping
+    def ours():  # what train.py's loop does per step, but the bookkeeping; the grad norm
         nonlocal loss_sum
-        loss, _ = optimizer_step(
+        loss, norm = optimizer_step(
             accelerator=accelerator,
             state=state,
             batch=next(our_batches),
@@ -71,6 +71,7 @@ def bench_step(args, config: dict, work: Path, results: dict) -> None:
             clip_norm=clip,
         )
         loss_sum += loss.detach()
+        return norm
 
     log_every, logged = cfg.trainer.log_every_n_steps, [0]
 
@@ -78,15 +79,8 @@ def bench_step(args, config: dict, work: Path, results: dict) -> None:
         count = 0
 
         def step() -> None:
-            nonlocal count, loss_sum
-            loss, norm = optimizer_step(
-                accelerator=accelerator,
-                state=state,
-                batch=next(our_batches),
-                guard=guard,
-                clip_norm=clip,
-            )
-            loss_sum += loss.detach()
+            nonlocal count
+            norm = ours()
             count += 1
             if count % log_every == 0:
                 metrics = {
