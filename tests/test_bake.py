@@ -90,6 +90,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "scripts/bench_ckpt_memory.py",
         "scripts/bench_children.py",
         "scripts/bench_tracking.py",
+        "scripts/bench_turns.py",
         "scripts/gpu_check.sh",
         "train.py",
         "eval.py",

@@ -8,9 +8,12 @@
     python bench.py --trackers csv,tensorboard --repeats 7
     python bench.py --overrides model=mlp data=digits    # another workload (Hydra overrides)
 
-Each figure is a ratio of medians over ``--repeats`` rounds. Within a round the
-two sides run back to back, alternating which goes first, so a drift in machine
-load hits both alike. Timings come from a global optimizer-step hook
+Each figure is a median over ``--repeats`` rounds. The loop figures run ours and
+the bare loop at once, taking turns every 10 optimizer steps (scripts/bench_turns.py):
+on a shared machine steps/s drifts by far more between two runs than these
+figures judge, and in turns both sides see the same second of it. Start-up
+figures run the two one after the other, alternating which goes first.
+Timings come from a global optimizer-step hook
 (``torch.optim.optimizer.register_optimizer_step_post_hook``) installed in both
 processes, so neither side measures itself differently.
 
@@ -20,9 +23,11 @@ figure              ours / the baseline                                         
 loop_ratio          steps/s of ``python train.py`` (defaults: its tracker, log lines every  >= 0.98
                     10 steps, checkpoints every 500 steps; evaluation only after the timed
                     steps) / a bare hand-written loop on the same model, data loader,
-                    batch, optimizer, schedule, clipping and precision
-ddp_loop_ratio      the same with 2 processes: ``torchrun train.py parallel=ddp`` / a bare  >= 0.97
-                    DDP loop (gloo on a CPU, NCCL on GPUs), steps/s of rank 0
+                    batch, optimizer, schedule, clipping, precision and CPU threads (pinned
+                    as train.py pins them; ``thread_pin_cost``: what the pin costs the bare
+                    loop, a third side in the same turns), in turns of 10 steps
+ddp_loop_ratio      the same with 2 processes each: ``torchrun train.py parallel=ddp`` / a  >= 0.97
+                    bare DDP loop (gloo on a CPU, NCCL on GPUs), in turns of 10 steps
 first_step_ratio    process start -> first optimizer step done: ``python train.py`` / a     <= 1.2
                     bare script that imports torch, builds the model and data, one step
 process_ratio       the whole process (start to exit) of those two runs                     <= 1.2
@@ -86,6 +91,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_checkpoint import bench_checkpoint  # noqa: E402 (the checkpoint figures, in-process)
 from bench_ckpt_memory import bench_ckpt_memory  # noqa: E402 (full vs sharded, 2 FSDP ranks)
 from bench_step import bench_step  # noqa: E402 (the step alone: ours vs bare, in-process)
+from bench_turns import run_in_turns  # noqa: E402 (two processes in lockstep)
 
 EXTRA_PARTS = ("ckpt_memory",)  # only when named in --only
 
@@ -122,22 +128,15 @@ CHECKPOINT_SIZE = {  # ~20M parameters: ~250 MB with AdamW's state
 # --- running the timed processes (scripts/bench_children.py) ---------------------------------
 
 
-def _run_child(kind: str, spec: dict, work: Path, ddp: bool = False) -> dict:
-    """Run one training process (``ddp``: 2 under torchrun); return rank 0's
-    steps/s after the warm-up, its time to the first step and the whole
-    process's wall time."""
+def _run_child(kind: str, spec: dict, work: Path) -> dict:
+    """Run one training process alone; return its time to the first optimizer
+    step and the whole process's wall time."""
     out = work / f"{kind}-{time.monotonic_ns()}.json"
-    spec = {**spec, "out": str(out), "ddp": ddp}
     spec_path = out.with_suffix(".spec.json")
-    spec_path.write_text(json.dumps(spec))
-    launcher = [sys.executable]
-    if ddp:
-        torchrun = Path(sys.executable).with_name("torchrun")
-        launcher = [str(torchrun), "--standalone", "--nproc_per_node", "2"]
-        out = out.with_name(out.name + ".rank0")
+    spec_path.write_text(json.dumps({**spec, "out": str(out)}))
     started = time.time()
     proc = subprocess.run(
-        [*launcher, str(CHILDREN), kind, str(spec_path)],
+        [sys.executable, str(CHILDREN), kind, str(spec_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -148,15 +147,80 @@ def _run_child(kind: str, spec: dict, work: Path, ddp: bool = False) -> dict:
         tail = (proc.stdout + proc.stderr)[-3000:]
         raise SystemExit(f"bench: the {kind} process failed (exit {proc.returncode}):\n{tail}")
     result = json.loads(out.read_text())
-    times = result["times"]
-    if len(times) != spec["steps"]:
-        raise SystemExit(f"bench: {kind} took {len(times)} optimizer steps, not {spec['steps']}")
-    skip = spec["warmup"]
-    return {
-        "steps_per_sec": (len(times) - 1 - skip) / (times[-1] - times[skip]),
-        "first_step_s": result["first_step_at"][0] - started,
-        "process_s": process_s,
-    }
+    if len(result["times"]) != spec["steps"]:
+        raise SystemExit(f"bench: {kind} took {len(result['times'])} optimizer steps")
+    return {"first_step_s": result["first_step_at"][0] - started, "process_s": process_s}
+
+
+def _loop_overrides(steps: int) -> list[str]:
+    return [
+        f"trainer.max_steps={steps}",
+        f"trainer.eval_every_n_steps={steps}",  # evaluate once, after the timed steps
+        "trainer.log_every_n_steps=10",
+        "preflight=off",  # its checks run real steps before the loop: timed on their own
+    ]
+
+
+def _in_turns(args, overrides: list[str], work: Path, *, ddp: bool) -> dict:
+    """``args.repeats`` rounds in which ours (train.py) and the bare loop run at
+    once and take turns every 10 optimizer steps (bench_turns.py); per round,
+    ours / bare steps/s. The bare loop pins the CPU threads as train.py does
+    (``seeding.pin_cpu_threads``, for same-seed bits); in one process a third
+    side, the bare loop unpinned, measures what the pin costs. Returns the
+    medians over the rounds."""
+    every = min(10, max(1, args.steps // 4))  # 10: one of train.py's log steps per block
+    blocks = args.steps // every
+    steps, untimed = blocks * every, -(-max(2, args.steps // 10) // every)
+    run = [*overrides, *(["parallel=ddp"] if ddp else []), *_loop_overrides(steps)]
+    config = compose(run)
+    launcher = [sys.executable]
+    if ddp:
+        torchrun = Path(sys.executable).with_name("torchrun")
+        launcher = [str(torchrun), "--standalone", "--nproc_per_node", "2"]
+    # Under torchrun every process has one thread (OMP_NUM_THREADS=1): nothing to pin.
+    sides = ["ours", "bare"] + ([] if ddp else ["bare_unpinned"])
+    rounds: dict[str, list[float]] = {name: [] for name in ["ratio", "pin_cost", *sides]}
+    for round_ in range(args.repeats):
+        folder = work / f"turns-{round_}"
+        folder.mkdir()
+        commands = {}
+        for side in sides if round_ % 2 == 0 else reversed(sides):
+            turns = {"folder": str(folder), "side": side, "every": every}
+            spec: dict = {"steps": steps, "out": str(folder / f"{side}.json"), "turns": turns}
+            if side.startswith("bare"):
+                spec |= {"config": config, "ddp": ddp, "pin_threads": side == "bare"}
+            else:
+                spec["overrides"] = [*run, f"hydra.run.dir={folder / 'run'}"]
+            (folder / f"{side}.spec.json").write_text(json.dumps(spec))
+            kind = "train" if side == "ours" else "bare"
+            commands[side] = [*launcher, str(CHILDREN), kind, str(folder / f"{side}.spec.json")]
+        seconds = run_in_turns(
+            commands,
+            folder,
+            ranks=2 if ddp else 1,
+            every=every,
+            blocks=blocks,
+            untimed=untimed,
+            cwd=ROOT,
+        )
+        for side in sides:
+            rank0 = folder / (f"{side}.json.rank0" if ddp else f"{side}.json")
+            taken = len(json.loads(rank0.read_text())["times"])
+            if taken != steps:
+                raise SystemExit(f"bench: {side} took {taken} optimizer steps, not {steps}")
+            rounds[side].append(every * len(seconds[side]) / sum(seconds[side]))
+        rounds["ratio"].append(rounds["ours"][-1] / rounds["bare"][-1])
+        line = f"ours {rounds['ours'][-1]:7.2f}, bare {rounds['bare'][-1]:7.2f}"
+        if not ddp:
+            rounds["pin_cost"].append(1 - rounds["bare"][-1] / rounds["bare_unpinned"][-1])
+            line += f", bare unpinned {rounds['bare_unpinned'][-1]:7.2f}"
+        print(
+            f"  round {round_ + 1}/{args.repeats}: {line} steps/s; ratio {rounds['ratio'][-1]:.3f}"
+            f" ({len(seconds['ours'])} timed blocks of {every} steps each)",
+            flush=True,
+        )
+        shutil.rmtree(folder, ignore_errors=True)
+    return {name: statistics.median(values) for name, values in rounds.items() if values}
 
 
 # --- the parts --------------------------------------------------------------------------------
@@ -168,7 +232,7 @@ def compose(overrides: list[str]) -> dict:
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
 
-    from {{ cookiecutter.package_name }}.config import register_resolvers, resolve_config
+    from digit_trainer.config import register_resolvers, resolve_config
 
     register_resolvers()
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
@@ -176,81 +240,45 @@ def compose(overrides: list[str]) -> dict:
     return OmegaConf.to_container(resolve_config(cfg), resolve=True)
 
 
-def _alternate(
-    args, variants: dict, overrides: list[str], config: dict, work: Path, ddp: bool = False
-) -> dict[str, list[dict]]:
-    """``args.repeats`` rounds of every variant of ours (train.py with
-    ``overrides`` + its own) and the bare loop, alternating the order."""
-    steps, warmup = args.steps, max(2, args.steps // 10)
-    if any(o.startswith("trainer.compile=true") for o in overrides):
-        warmup = max(warmup, args.steps // 3)  # compiling takes the first steps
-    runs: dict[str, list[dict]] = {name: [] for name in [*variants, "bare"]}
+def bench_loop(args, overrides: list[str], work: Path, results: dict, *, ddp: bool) -> None:
+    """steps/s of ours (train.py with its defaults) against the bare loop, in
+    turns (``ddp``: 2 processes each, under torchrun)."""
+    medians = _in_turns(args, overrides, work, ddp=ddp)
+    prefix = "ddp_" if ddp else ""
+    results[f"{prefix}loop_ratio"] = medians["ratio"]
+    results[f"{prefix}ours_steps_per_sec"] = medians["ours"]
+    results[f"{prefix}bare_steps_per_sec"] = medians["bare"]
+    if "pin_cost" in medians:  # 1 - steps/s of the bare loop pinned / unpinned
+        results["thread_pin_cost"] = medians["pin_cost"]
+        print(f"  the thread pin costs the bare loop {medians['pin_cost']:.1%} of its steps/s")
+
+
+def bench_first_step(args, overrides: list[str], work: Path, results: dict) -> None:
+    """Time to the first step and the whole process: ours and bare one after
+    the other (alone: a start-up is what is timed), alternating the order."""
+    config = compose([*overrides, *_loop_overrides(args.steps)])
+    runs: dict[str, list[dict]] = {"ours": [], "bare": []}
     for round_ in range(args.repeats):
-        order = [*variants, "bare"]
-        if round_ % 2:
-            order.reverse()
-        for name in order:
-            spec = {"steps": steps, "warmup": warmup}
-            if name == "bare":
-                result = _run_child("bare", {**spec, "config": config}, work, ddp)
+        for side in ("ours", "bare") if round_ % 2 == 0 else ("bare", "ours"):
+            spec: dict = {"steps": args.steps}
+            if side == "bare":
+                result = _run_child("bare", {**spec, "config": config}, work)
             else:
-                run_dir = work / f"run-{len(os.listdir(work))}"
-                spec["overrides"] = [*overrides, *variants[name], f"hydra.run.dir={run_dir}"]
-                result = _run_child("train", spec, work, ddp)
+                run_dir = work / f"run-{round_}"
+                spec["overrides"] = [*overrides, *_loop_overrides(args.steps)]
+                spec["overrides"].append(f"hydra.run.dir={run_dir}")
+                result = _run_child("train", spec, work)
                 shutil.rmtree(run_dir, ignore_errors=True)
-            runs[name].append(result)
+            runs[side].append(result)
             print(
-                f"  round {round_ + 1}/{args.repeats} {name:<32} "
-                f"{result['steps_per_sec']:8.2f} steps/s, first step after "
+                f"  round {round_ + 1}/{args.repeats} {side:<5} first step after "
                 f"{result['first_step_s']:.2f} s, process {result['process_s']:.2f} s",
                 flush=True,
             )
-    return runs
-
-
-def bench_loops(args, overrides: list[str], work: Path, results: dict) -> None:
-    """Ours (train.py with its defaults) and bare in alternation."""
-    steps = args.steps
-    common = [
-        f"trainer.max_steps={steps}",
-        f"trainer.eval_every_n_steps={steps}",  # evaluate once, after the timed steps
-        "trainer.log_every_n_steps=10",
-        "preflight=off",  # its checks run real steps before the loop: timed on their own
-    ]
-    config = compose([*overrides, *common])
-    runs = _alternate(args, {"ours": []}, [*overrides, *common], config, work)
-
-    def med(name: str, key: str) -> float:
-        return statistics.median(r[key] for r in runs[name])
-
-    if "loop" in args.only:
-        results["loop_ratio"] = med("ours", "steps_per_sec") / med("bare", "steps_per_sec")
-        results["ours_steps_per_sec"] = med("ours", "steps_per_sec")
-        results["bare_steps_per_sec"] = med("bare", "steps_per_sec")
-    if "startup" in args.only:
-        results["first_step_ratio"] = med("ours", "first_step_s") / med("bare", "first_step_s")
-        results["ours_first_step_s"] = med("ours", "first_step_s")
-        results["bare_first_step_s"] = med("bare", "first_step_s")
-        results["process_ratio"] = med("ours", "process_s") / med("bare", "process_s")
-        results["ours_process_s"] = med("ours", "process_s")
-        results["bare_process_s"] = med("bare", "process_s")
-
-
-def bench_ddp(args, overrides: list[str], work: Path, results: dict) -> None:
-    """2-process DDP: ``torchrun train.py parallel=ddp`` against a bare DDP loop."""
-    common = [
-        "parallel=ddp",
-        f"trainer.max_steps={args.steps}",
-        f"trainer.eval_every_n_steps={args.steps}",
-        "trainer.log_every_n_steps=10",
-        "preflight=off",
-    ]
-    config = compose([*overrides, *common])
-    runs = _alternate(args, {"ours, ddp": []}, [*overrides, *common], config, work, ddp=True)
-    ours = statistics.median(r["steps_per_sec"] for r in runs["ours, ddp"])
-    bare = statistics.median(r["steps_per_sec"] for r in runs["bare"])
-    results["ddp_loop_ratio"] = ours / bare
-    results["ddp_ours_steps_per_sec"], results["ddp_bare_steps_per_sec"] = ours, bare
+    for key, figure in [("first_step_s", "first_step_ratio"), ("process_s", "process_ratio")]:
+        ours = statistics.median(r[key] for r in runs["ours"])
+        bare = statistics.median(r[key] for r in runs["bare"])
+        results[figure], results[f"ours_{key}"], results[f"bare_{key}"] = ours / bare, ours, bare
 
 
 def bench_startup(args, work: Path, results: dict) -> None:
@@ -369,16 +397,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"workload: {' '.join(overrides) or '(defaults)'}; {args.repeats} round(s)")
     print(f"load average before: {_load()} ({os.cpu_count()} CPUs)")
     try:
-        if {"loop", "startup"} & set(args.only):
-            print(
-                f"training runs of {args.steps} steps (first {max(2, args.steps // 10)} untimed):"
-            )
-            (work / "loops").mkdir()
-            bench_loops(args, overrides, work / "loops", results)
+        if "loop" in args.only:
+            print(f"training runs of {args.steps} steps, ours and bare in turns:")
+            (work / "loop").mkdir()
+            bench_loop(args, overrides, work / "loop", results, ddp=False)
         if "ddp" in args.only:
-            print(f"2-process DDP runs of {args.steps} steps:")
+            print(f"2-process DDP runs of {args.steps} steps, ours and bare in turns:")
             (work / "ddp").mkdir()
-            bench_ddp(args, overrides, work / "ddp", results)
+            bench_loop(args, overrides, work / "ddp", results, ddp=True)
+        if "startup" in args.only:
+            print(f"training runs of {args.steps} steps, one at a time (start-up timed):")
+            (work / "first_step").mkdir()
+            bench_first_step(args, overrides, work / "first_step", results)
         if "startup" in args.only:
             print("start-up:")
             (work / "startup").mkdir()

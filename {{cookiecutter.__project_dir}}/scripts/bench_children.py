@@ -17,17 +17,20 @@ STARTED = time.time()  # this process's first line of Python (after the interpre
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def install_step_clock(out_path: str) -> None:
+def install_step_clock(out_path: str, turns: dict | None = None) -> None:
     """Record when every optimizer step ends (wall clock for the first, a
     monotonic clock for all) and write them to ``out_path`` (``.rankN`` under
-    a launcher) at exit."""
+    a launcher) at exit. With ``turns`` (bench_turns.py: folder, side, every),
+    take turns with the other side every ``every`` steps."""
     import atexit
 
     import torch
+    from bench_turns import Turn
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     first: list[float] = []
     times: list[float] = []
+    turn = Turn(**turns) if turns else None
 
     def hook(optimizer, args, kwargs) -> None:
         # accelerate's optimizer wrapper steps the real one: count the real one only.
@@ -35,6 +38,8 @@ def install_step_clock(out_path: str) -> None:
             times.append(time.perf_counter())
             if not first:
                 first.append(time.time())
+            if turn is not None:
+                turn.after_step()
 
     register_optimizer_step_post_hook(hook)
     if "RANK" in os.environ:
@@ -54,7 +59,7 @@ def child_train(spec: dict) -> None:
     """``python train.py OVERRIDES``, with the step clock installed."""
     import runpy
 
-    install_step_clock(spec["out"])
+    install_step_clock(spec["out"], spec.get("turns"))
     sys.argv = [str(ROOT / "train.py"), *spec["overrides"]]
     sys.path.insert(0, str(ROOT))
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
@@ -76,9 +81,13 @@ def child_bare(spec: dict) -> None:
     precision in a hand-written loop, with nothing else. Under ``torchrun``
     (``spec["ddp"]``): the same in DDP (gloo on CPU, NCCL on GPU), each rank
     its own batches of the per-process batch size."""
-    install_step_clock(spec["out"])
+    install_step_clock(spec["out"], spec.get("turns"))
     import torch
 
+    if spec.get("pin_threads", True):
+        # What seeding.pin_cpu_threads does in train.py (fixed count, MKL's dynamic
+        # threading off: same seed, same bits), without importing accelerate here.
+        torch.set_num_threads(torch.get_num_threads())
     cfg, steps = spec["config"], spec["steps"]
     rank = int(os.environ.get("LOCAL_RANK", 0))
     cuda = torch.cuda.is_available()

@@ -284,6 +284,7 @@ def test_bench_quick_mode_reports_every_figure(tmp_path):
     assert all(v >= 0 for v in costs.values())
     assert report["details"]["ours_step_ms"] > 0 and report["details"]["bare_step_ms"] > 0
     assert report["details"]["log_calls"] > 0  # log_overhead's side really logged
+    assert "thread_pin_cost" in report["details"]  # the third side of the loop's turns
     assert all(math.isfinite(v) for v in figures.values())
     assert all(figures[k] > 0 for k in figures if k != "log_overhead")  # ratios of timings
     assert report["settings"]["quick"] is True and "csv" in report["settings"]["trackers"]
@@ -292,3 +293,57 @@ def test_bench_quick_mode_reports_every_figure(tmp_path):
         line = next(x for x in proc.stdout.splitlines() if x.startswith(name + " "))
         assert GOAL_LINE.search(line) and report["baselines"][name] in line, line
     assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]  # scratch files removed
+
+
+TURN_CHILD = """
+import os, sys
+sys.path.insert(0, "scripts")
+from bench_turns import Turn
+side, folder, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+turn = Turn(folder, side, every=2)
+for step in range(steps):
+    with open(os.path.join(folder, "order.log"), "a") as log:
+        log.write(f"{side} {step}\\n")
+    turn.after_step()
+"""
+
+
+def _turn_commands(tmp_path, steps: dict[str, int]) -> dict[str, list[str]]:
+    child = tmp_path / "child.py"
+    child.write_text(TURN_CHILD)
+    return {
+        side: [sys.executable, str(child), side, str(tmp_path), str(n)] for side, n in steps.items()
+    }
+
+
+@pytest.mark.multiprocess
+def test_bench_turns_run_one_side_at_a_time_in_rotating_order(tmp_path):
+    """bench.py's loop figures: the sides run at once but train in turns, blocks
+    of ``every`` steps, the order rotating (real processes, real pipes)."""
+    sys.path.insert(0, str(PROJECT_ROOT / "scripts"))
+    from bench_turns import run_in_turns
+
+    commands = _turn_commands(tmp_path, {"a": 8, "b": 8, "c": 8})
+    seconds = run_in_turns(
+        commands, tmp_path, ranks=1, every=2, blocks=4, untimed=2, cwd=PROJECT_ROOT
+    )
+    assert {side: len(s) for side, s in seconds.items()} == {"a": 2, "b": 2, "c": 2}
+    assert all(t > 0 for s in seconds.values() for t in s)
+    lines = (tmp_path / "order.log").read_text().split()
+    steps = [(lines[i], int(lines[i + 1])) for i in range(0, len(lines), 2)]
+    first = steps[:6]  # block 0: all three at once, in any interleaving
+    assert sorted(first) == sorted((side, n) for side in "abc" for n in (0, 1))
+    rest = [side for side, _ in steps[6:]]
+    # blocks 1-3 one side at a time, two steps each: b c a | c a b | a b c
+    assert rest == [s for s in "bcacababc" for _ in range(2)]
+    assert [n for side, n in steps[6:] if side == "a"] == [2, 3, 4, 5, 6, 7]
+
+
+@pytest.mark.multiprocess
+def test_bench_turns_name_a_side_that_exits_early(tmp_path):
+    sys.path.insert(0, str(PROJECT_ROOT / "scripts"))
+    from bench_turns import run_in_turns
+
+    commands = _turn_commands(tmp_path, {"ours": 8, "bare": 3})
+    with pytest.raises(SystemExit, match=r"the bare process exited early \(exit 0\)"):
+        run_in_turns(commands, tmp_path, ranks=1, every=2, blocks=4, untimed=1, cwd=PROJECT_ROOT)
