@@ -243,3 +243,41 @@ def test_default_run_reaches_95_percent(train_run):
     summary = run.summary
     assert summary["metrics"]["val/acc"] >= 0.95
     assert math.isfinite(summary["metrics"]["val/loss"])
+
+
+def test_the_loop_step_is_accelerates_step_bit_for_bit():
+    """state.optimizer_step passes by accelerate's accumulate context (one
+    micro-batch per step), its clip_grad_norm_ (plain setups) and its wrapper's
+    zero_grad: the same weights and norms, bit for bit, as accelerate's own calls."""
+    import copy
+
+    from accelerate import Accelerator
+
+    from {{ cookiecutter.package_name }} import task
+    from {{ cookiecutter.package_name }}.nonfinite import LossGuard
+    from {{ cookiecutter.package_name }}.state import TrainState, optimizer_step
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    ours, theirs = net, copy.deepcopy(net)
+    ours_opt = accelerator.prepare(torch.optim.AdamW(ours.parameters(), lr=0.1))
+    theirs_opt = accelerator.prepare(torch.optim.AdamW(theirs.parameters(), lr=0.1))
+    state = TrainState(ours, ours_opt, None, train_loader=[], val_loader=[])
+    guard = LossGuard("stop", accelerator)
+    for step in range(4):
+        batch = [torch.randn(32, 8) * (10 if step == 1 else 1), torch.randint(0, 3, (32,))]
+        loss, norm = optimizer_step(
+            accelerator=accelerator, state=state, batch=batch, guard=guard, clip_norm=0.1
+        )
+        with accelerator.accumulate(theirs):
+            their_loss = task.loss(model=theirs, batch=batch)
+            accelerator.backward(their_loss)
+            their_norm = accelerator.clip_grad_norm_(theirs.parameters(), 0.1)
+            theirs_opt.step()
+            theirs_opt.zero_grad(set_to_none=True)
+        assert torch.equal(loss, their_loss) and torch.equal(norm, their_norm)
+        assert norm > 0.1  # clipping really happened
+    guard.check(4)
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(a, b) and a.grad is None and b.grad is None
