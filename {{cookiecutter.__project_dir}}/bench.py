@@ -256,7 +256,8 @@ def bench_loop(args, overrides: list[str], work: Path, results: dict, *, ddp: bo
 def bench_first_step(args, overrides: list[str], work: Path, results: dict) -> None:
     """Time to the first step and the whole process: ours and bare one after
     the other (alone: a start-up is what is timed), alternating the order."""
-    config = compose([*overrides, *_loop_overrides(args.steps)])
+    run = [*overrides, *_loop_overrides(args.steps)]
+    config = compose(run)
     runs: dict[str, list[dict]] = {"ours": [], "bare": []}
     for round_ in range(args.repeats):
         for side in ("ours", "bare") if round_ % 2 == 0 else ("bare", "ours"):
@@ -265,8 +266,7 @@ def bench_first_step(args, overrides: list[str], work: Path, results: dict) -> N
                 result = _run_child("bare", {**spec, "config": config}, work)
             else:
                 run_dir = work / f"run-{round_}"
-                spec["overrides"] = [*overrides, *_loop_overrides(args.steps)]
-                spec["overrides"].append(f"hydra.run.dir={run_dir}")
+                spec["overrides"] = [*run, f"hydra.run.dir={run_dir}"]
                 result = _run_child("train", spec, work)
                 shutil.rmtree(run_dir, ignore_errors=True)
             runs[side].append(result)
