@@ -232,7 +232,7 @@ def compose(overrides: list[str]) -> dict:
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
 
-    from {{ cookiecutter.package_name }}.config import register_resolvers, resolve_config
+    from {{ cookiecutter.package_name }}.engine.config import register_resolvers, resolve_config
 
     register_resolvers()
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):

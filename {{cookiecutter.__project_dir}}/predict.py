@@ -13,8 +13,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from {{ cookiecutter.package_name }} import evaluation
-from {{ cookiecutter.package_name }}.config import register_resolvers
+from {{ cookiecutter.package_name }}.engine import evaluation
+from {{ cookiecutter.package_name }}.engine.config import register_resolvers
 
 PROJECT_ROOT = Path(__file__).resolve().parent
 

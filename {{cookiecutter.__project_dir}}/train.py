@@ -20,15 +20,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from {{ cookiecutter.package_name }} import task
-from {{ cookiecutter.package_name }}.accel import build_accelerator, weights_fingerprint
-from {{ cookiecutter.package_name }}.checkpoint import (
+from {{ cookiecutter.package_name }}.engine.accel import build_accelerator, weights_fingerprint
+from {{ cookiecutter.package_name }}.engine.checkpoint import (
     CheckpointError,
     CheckpointManager,
     plain_model,
     plan_grad_accum,
     save_final_weights,
 )
-from {{ cookiecutter.package_name }}.config import (
+from {{ cookiecutter.package_name }}.engine.config import (
     ConfigError,
     check_config,
     flatten_config,
@@ -36,20 +36,20 @@ from {{ cookiecutter.package_name }}.config import (
     register_resolvers,
     resolve_config,
 )
-from {{ cookiecutter.package_name }}.debug import Debug
-from {{ cookiecutter.package_name }}.early_stopping import EarlyStopping
-from {{ cookiecutter.package_name }}.ema import WeightAverage, metric_names
-from {{ cookiecutter.package_name }}.finetune import init_from
-from {{ cookiecutter.package_name }}.launch import LaunchError, run, spans_nodes
-from {{ cookiecutter.package_name }}.loaders import batches_per_epoch, continue_epoch, run_length
-from {{ cookiecutter.package_name }}.logs import setup_rank_logging
-from {{ cookiecutter.package_name }}.metrics import MetricBook
-from {{ cookiecutter.package_name }}.nonfinite import LossGuard, NonFiniteLoss
-from {{ cookiecutter.package_name }}.preemption import StopSignals, TrainingInterrupted
-from {{ cookiecutter.package_name }}.preflight import PreflightFailed, run_preflight
-from {{ cookiecutter.package_name }}.progress import Progress, RunClock
-from {{ cookiecutter.package_name }}.pruning import TrialPruned, TrialReporter
-from {{ cookiecutter.package_name }}.run_dir import (
+from {{ cookiecutter.package_name }}.engine.debug import Debug
+from {{ cookiecutter.package_name }}.engine.early_stopping import EarlyStopping
+from {{ cookiecutter.package_name }}.engine.ema import WeightAverage, metric_names
+from {{ cookiecutter.package_name }}.engine.finetune import init_from
+from {{ cookiecutter.package_name }}.engine.launch import LaunchError, run, spans_nodes
+from {{ cookiecutter.package_name }}.engine.loaders import batches_per_epoch, continue_epoch, run_length
+from {{ cookiecutter.package_name }}.engine.logs import setup_rank_logging
+from {{ cookiecutter.package_name }}.engine.metrics import MetricBook
+from {{ cookiecutter.package_name }}.engine.nonfinite import LossGuard, NonFiniteLoss
+from {{ cookiecutter.package_name }}.engine.preemption import StopSignals, TrainingInterrupted
+from {{ cookiecutter.package_name }}.engine.preflight import PreflightFailed, run_preflight
+from {{ cookiecutter.package_name }}.engine.progress import Progress, RunClock
+from {{ cookiecutter.package_name }}.engine.pruning import TrialPruned, TrialReporter
+from {{ cookiecutter.package_name }}.engine.run_dir import (
     check_shared_storage,
     claim,
     hydra_run_dir,
@@ -57,10 +57,10 @@ from {{ cookiecutter.package_name }}.run_dir import (
     uses_default_run_name,
     write_summary,
 )
-from {{ cookiecutter.package_name }}.seeding import same_on_every_rank, seed_everything
-from {{ cookiecutter.package_name }}.state import TrainState, optimizer_step
-from {{ cookiecutter.package_name }}.throughput import Throughput
-from {{ cookiecutter.package_name }}.tracking import log_final_model, watch_model
+from {{ cookiecutter.package_name }}.engine.seeding import same_on_every_rank, seed_everything
+from {{ cookiecutter.package_name }}.engine.state import TrainState, optimizer_step
+from {{ cookiecutter.package_name }}.engine.throughput import Throughput
+from {{ cookiecutter.package_name }}.engine.tracking import log_final_model, watch_model
 
 log = logging.getLogger("train")
 PROJECT_ROOT = Path(__file__).resolve().parent  # runs_root's default: <project root>/runs

@@ -17,8 +17,8 @@ def bench_checkpoint(args, config: dict, work: Path, results: dict) -> None:
     from omegaconf import OmegaConf
 
     from {{ cookiecutter.package_name }} import task
-    from {{ cookiecutter.package_name }}.checkpoint import CheckpointManager
-    from {{ cookiecutter.package_name }}.state import TrainState, rng_state
+    from {{ cookiecutter.package_name }}.engine.checkpoint import CheckpointManager
+    from {{ cookiecutter.package_name }}.engine.state import TrainState, rng_state
 
     cfg = OmegaConf.create(config)  # the resolved config of the workload
     accelerator = Accelerator(cpu=not torch.cuda.is_available())

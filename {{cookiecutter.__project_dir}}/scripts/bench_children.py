@@ -172,7 +172,7 @@ def child_startup(spec: dict) -> None:
     t = mark("import the rest of train.py's modules", t)
     from hydra import compose, initialize_config_dir
 
-    from {{ cookiecutter.package_name }}.config import register_resolvers, resolve_config
+    from {{ cookiecutter.package_name }}.engine.config import register_resolvers, resolve_config
 
     register_resolvers(ROOT)
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):

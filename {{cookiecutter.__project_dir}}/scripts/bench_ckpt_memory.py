@@ -44,9 +44,9 @@ def _child_ckpt_memory(spec: dict) -> None:
     from omegaconf import OmegaConf
     from safetensors.torch import load_file
 
-    from {{ cookiecutter.package_name }}.accel import build_accelerator
-    from {{ cookiecutter.package_name }}.checkpoint import format as fmt
-    from {{ cookiecutter.package_name }}.checkpoint import full_state, sharded
+    from {{ cookiecutter.package_name }}.engine.accel import build_accelerator
+    from {{ cookiecutter.package_name }}.engine.checkpoint import format as fmt
+    from {{ cookiecutter.package_name }}.engine.checkpoint import full_state, sharded
 
     cfg = OmegaConf.create(spec["config"])
     acc = build_accelerator(cfg, Path(spec["dir"]))

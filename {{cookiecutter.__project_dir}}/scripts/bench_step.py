@@ -26,10 +26,10 @@ def bench_step(args, config: dict, work: Path, results: dict) -> None:
     from bench_children import bare_stepper  # the bare loop's own step
     from omegaconf import OmegaConf
 
-    from {{ cookiecutter.package_name }}.accel import build_accelerator
-    from {{ cookiecutter.package_name }}.config import instantiate
-    from {{ cookiecutter.package_name }}.nonfinite import LossGuard
-    from {{ cookiecutter.package_name }}.state import TrainState, optimizer_step
+    from {{ cookiecutter.package_name }}.engine.accel import build_accelerator
+    from {{ cookiecutter.package_name }}.engine.config import instantiate
+    from {{ cookiecutter.package_name }}.engine.nonfinite import LossGuard
+    from {{ cookiecutter.package_name }}.engine.state import TrainState, optimizer_step
 
     cfg = OmegaConf.create(config)  # the workload's resolved config (--trackers, or none)
     accelerator = build_accelerator(cfg, work)

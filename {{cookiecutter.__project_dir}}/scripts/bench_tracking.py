@@ -32,8 +32,8 @@ from pathlib import Path
 from accelerate import Accelerator
 from hydra import compose, initialize_config_dir
 
-from {{ cookiecutter.package_name }}.config import register_resolvers, resolve_config
-from {{ cookiecutter.package_name }}.tracking import build_trackers
+from {{ cookiecutter.package_name }}.engine.config import register_resolvers, resolve_config
+from {{ cookiecutter.package_name }}.engine.tracking import build_trackers
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 TRAIN_METRICS = ("train/loss", "train/lr", "train/grad_norm", "train/epoch")

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from {{ cookiecutter.package_name }}.config import register_resolvers
-from {{ cookiecutter.package_name }}.tracking import REQUIRES
+from {{ cookiecutter.package_name }}.engine.config import register_resolvers
+from {{ cookiecutter.package_name }}.engine.tracking import REQUIRES
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = PROJECT_ROOT / "configs"

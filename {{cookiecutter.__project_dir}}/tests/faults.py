@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from {{ cookiecutter.package_name }}.gpt import GPT
-from {{ cookiecutter.package_name }}.model import MLP
+from {{ cookiecutter.package_name }}.models.digits import MLP
+from {{ cookiecutter.package_name }}.models.gpt import GPT
 
 
 class FailsOnRank1(MLP):

@@ -19,14 +19,14 @@ import torch
 import xxhash
 from safetensors.torch import load_file
 
-from {{ cookiecutter.package_name }}.checkpoint import (
+from {{ cookiecutter.package_name }}.engine.checkpoint import (
     CheckpointError,
     committed_checkpoints,
     load_tensors_safely,
     verify_checkpoint,
 )
-from {{ cookiecutter.package_name }}.checkpoint.__main__ import main as checkpoint_cli
-from {{ cookiecutter.package_name }}.config import ConfigError, check_config, resolve_config
+from {{ cookiecutter.package_name }}.engine.checkpoint.__main__ import main as checkpoint_cli
+from {{ cookiecutter.package_name }}.engine.config import ConfigError, check_config, resolve_config
 
 from .conftest import ONE_PROCESS, PROJECT_ROOT, TRAIN_WITH_FAULTS, run_train
 
@@ -452,8 +452,8 @@ def test_tied_weights_round_trip(tmp_path):
     from accelerate import Accelerator
     from omegaconf import OmegaConf
 
-    from {{ cookiecutter.package_name }}.checkpoint import CheckpointManager
-    from {{ cookiecutter.package_name }}.state import TrainState
+    from {{ cookiecutter.package_name }}.engine.checkpoint import CheckpointManager
+    from {{ cookiecutter.package_name }}.engine.state import TrainState
 
     def tied_model() -> torch.nn.Module:
         model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
@@ -491,7 +491,7 @@ def test_tied_weights_round_trip(tmp_path):
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "{{ cookiecutter.package_name }}.checkpoint", *args],
+        [sys.executable, "-m", "{{ cookiecutter.package_name }}.engine.checkpoint", *args],
         capture_output=True,
         text=True,
         cwd=PROJECT_ROOT,

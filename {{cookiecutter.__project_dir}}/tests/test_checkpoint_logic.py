@@ -11,16 +11,16 @@ import torch
 import xxhash
 from accelerate import Accelerator
 
-from {{ cookiecutter.package_name }}.checkpoint import CheckpointManager, folder
-from {{ cookiecutter.package_name }}.checkpoint import format as fmt
-from {{ cookiecutter.package_name }}.config import (
+from {{ cookiecutter.package_name }}.engine.checkpoint import CheckpointManager, folder
+from {{ cookiecutter.package_name }}.engine.checkpoint import format as fmt
+from {{ cookiecutter.package_name }}.engine.config import (
     ALLOWED_CONFIG_CHANGES,
     allowed_config_changes,
     config_differences,
 )
-from {{ cookiecutter.package_name }}.nonfinite import LossGuard, NonFiniteLoss
-from {{ cookiecutter.package_name }}.preemption import StopSignals, TrainingInterrupted
-from {{ cookiecutter.package_name }}.state import TrainState
+from {{ cookiecutter.package_name }}.engine.nonfinite import LossGuard, NonFiniteLoss
+from {{ cookiecutter.package_name }}.engine.preemption import StopSignals, TrainingInterrupted
+from {{ cookiecutter.package_name }}.engine.state import TrainState
 
 
 def fake_checkpoint(root: Path, step: int, files: dict[str, bytes] | None = None) -> Path:
@@ -131,7 +131,7 @@ def test_config_differences_allow_only_the_listed_keys():
     assert config_differences({"a": 1}, {}) == ["a: 1 -> '<absent>'"]
     # The example data declares its harmless arguments; the infrastructure names none.
     assert not any(key.startswith(("data.", "model.")) for key in ALLOWED_CONFIG_CHANGES)
-    config = {"data": {"_target_": "{{ cookiecutter.package_name }}.data.digits"}}
+    config = {"data": {"_target_": "{{ cookiecutter.package_name }}.data.digits.digits"}}
     allowed = allowed_config_changes(config)
     assert {"data.num_workers", "data.pin_memory", "data.val_batch_size"} <= set(allowed)
     old = {"data": {"num_workers": 0, "batch_size": 32}}

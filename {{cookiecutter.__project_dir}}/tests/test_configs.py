@@ -10,9 +10,9 @@ from hydra.utils import get_object, instantiate
 from omegaconf import OmegaConf
 
 from {{ cookiecutter.package_name }} import task
-from {{ cookiecutter.package_name }}.accel import resolve_precision
-from {{ cookiecutter.package_name }}.config import check_config, flatten_config, resolve_config
-from {{ cookiecutter.package_name }}.tracking import build_trackers
+from {{ cookiecutter.package_name }}.engine.accel import resolve_precision
+from {{ cookiecutter.package_name }}.engine.config import check_config, flatten_config, resolve_config
+from {{ cookiecutter.package_name }}.engine.tracking import build_trackers
 
 from .conftest import CONFIG_DIR, require_trackers
 

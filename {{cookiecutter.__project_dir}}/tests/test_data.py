@@ -12,11 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from {{ cookiecutter.package_name }}.config import ConfigError
-from {{ cookiecutter.package_name }}.data import copy_task_sequences, load_digits, markov_language
-from {{ cookiecutter.package_name }}.hf_data import hf
-from {{ cookiecutter.package_name }}.loaders import run_length
-from {{ cookiecutter.package_name }}.token_file import TokenStream, token_file, write_tokens
+from {{ cookiecutter.package_name }}.data.digits import load_digits
+from {{ cookiecutter.package_name }}.data.hf import hf
+from {{ cookiecutter.package_name }}.data.token_file import TokenStream, token_file, write_tokens
+from {{ cookiecutter.package_name }}.data.tokens import copy_task_sequences, markov_language
+from {{ cookiecutter.package_name }}.engine.config import ConfigError
+from {{ cookiecutter.package_name }}.engine.loaders import run_length
 
 from .conftest import ENV, FAST, PROJECT_ROOT, fingerprints, run_train
 from .faults import sample_hash
@@ -241,7 +242,7 @@ def test_a_stream_resumed_after_kill_9_trains_on_the_same_samples(processes, tmp
     windows of the stream's first 30 global batches, each once; one process: the
     final weights equal an uninterrupted run's."""
     batch, seq_len = 8, 16  # per process (TINY_GPT)
-    assets = PROJECT_ROOT / "src" / "{{ cookiecutter.package_name }}" / "assets"
+    assets = PROJECT_ROOT / "src" / "{{ cookiecutter.package_name }}" / "data" / "assets"
     train_path = assets / "tokens_train.bin"
     args = [
         *TINY_GPT,

@@ -14,15 +14,15 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from {{ cookiecutter.package_name }}.config import (
+from {{ cookiecutter.package_name }}.engine.config import (
     ConfigError,
     check_config,
     register_resolvers,
     resolve_config,
 )
-from {{ cookiecutter.package_name }}.early_stopping import EarlyStopping
-from {{ cookiecutter.package_name }}.finetune import init_from
-from {{ cookiecutter.package_name }}.inference import load_model, resolve_checkpoint
+from {{ cookiecutter.package_name }}.engine.early_stopping import EarlyStopping
+from {{ cookiecutter.package_name }}.engine.finetune import init_from
+from {{ cookiecutter.package_name }}.engine.inference import load_model, resolve_checkpoint
 
 from .conftest import CONFIG_DIR, FAST, ONE_PROCESS, PROJECT_ROOT, run_train
 from .test_checkpoint import ckpt_dir, kill_when_paused

@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from {{ cookiecutter.package_name }}.checkpoint import committed_checkpoints, verify_checkpoint
-from {{ cookiecutter.package_name }}.config import (
+from {{ cookiecutter.package_name }}.engine.checkpoint import committed_checkpoints, verify_checkpoint
+from {{ cookiecutter.package_name }}.engine.config import (
     ConfigError,
     check_config,
     instantiate,

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.flop_counter import FlopCounterMode
 
-from {{ cookiecutter.package_name }}.model import MLP, SmallCNN
-from {{ cookiecutter.package_name }}.throughput import Throughput, peak_flops, peak_for_name
+from {{ cookiecutter.package_name }}.engine.throughput import Throughput, peak_flops, peak_for_name
+from {{ cookiecutter.package_name }}.models.digits import MLP, SmallCNN
 
 from .conftest import FAST, ONE_PROCESS, PROJECT_ROOT
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package_name }}.config import resolve_config
-from {{ cookiecutter.package_name }}.run_dir import (
+from {{ cookiecutter.package_name }}.engine.config import resolve_config
+from {{ cookiecutter.package_name }}.engine.run_dir import (
     RunDirError,
     _lock,
     _unlock,

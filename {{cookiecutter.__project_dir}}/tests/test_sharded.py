@@ -18,11 +18,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from {{ cookiecutter.package_name }}.checkpoint import elastic, folder
-from {{ cookiecutter.package_name }}.checkpoint import format as fmt
-from {{ cookiecutter.package_name }}.checkpoint.__main__ import main as checkpoint_cli
-from {{ cookiecutter.package_name }}.config import allowed_config_changes, config_differences
-from {{ cookiecutter.package_name }}.data import digits
+from {{ cookiecutter.package_name }}.data.digits import digits
+from {{ cookiecutter.package_name }}.engine.checkpoint import elastic, folder
+from {{ cookiecutter.package_name }}.engine.checkpoint import format as fmt
+from {{ cookiecutter.package_name }}.engine.checkpoint.__main__ import main as checkpoint_cli
+from {{ cookiecutter.package_name }}.engine.config import allowed_config_changes, config_differences
 
 from .conftest import ENV, ONE_PROCESS, PROJECT_ROOT
 from .faults import sample_hash

@@ -20,10 +20,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from {{ cookiecutter.package_name }}.config import ConfigError, resolve_config
-from {{ cookiecutter.package_name }}.data import load_digits
-from {{ cookiecutter.package_name }}.model import MLP
-from {{ cookiecutter.package_name }}.tracking import build_trackers, readiness
+from {{ cookiecutter.package_name }}.data.digits import load_digits
+from {{ cookiecutter.package_name }}.engine.config import ConfigError, resolve_config
+from {{ cookiecutter.package_name }}.engine.tracking import build_trackers, readiness
+from {{ cookiecutter.package_name }}.models.digits import MLP
 
 from .conftest import FAST, ONE_PROCESS, PROJECT_ROOT, require_trackers
 
@@ -331,7 +331,7 @@ def test_readiness_for_preflight_uses_requires_and_the_wandb_host(
 SHARED_STORE_JOB = """
 import sys
 from pathlib import Path
-from {{ cookiecutter.package_name }}.trackers import MLflowTracker
+from {{ cookiecutter.package_name }}.engine.trackers import MLflowTracker
 
 store, job = sys.argv[1], sys.argv[2]
 tracker = MLflowTracker("sweep", Path(store).parent / job, tracking_uri=f"sqlite:///{store}")

@@ -13,8 +13,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from {{ cookiecutter.package_name }}.config import instantiate, resolve_config
-from {{ cookiecutter.package_name }}.launch import processes_per_node
+from {{ cookiecutter.package_name }}.engine.config import instantiate, resolve_config
+from {{ cookiecutter.package_name }}.engine.launch import processes_per_node
 
 from .conftest import FAST, ONE_PROCESS, PROJECT_ROOT, run_train
 
@@ -254,8 +254,8 @@ def test_the_loop_step_is_accelerates_step_bit_for_bit():
     from accelerate import Accelerator
 
     from {{ cookiecutter.package_name }} import task
-    from {{ cookiecutter.package_name }}.nonfinite import LossGuard
-    from {{ cookiecutter.package_name }}.state import TrainState, optimizer_step
+    from {{ cookiecutter.package_name }}.engine.nonfinite import LossGuard
+    from {{ cookiecutter.package_name }}.engine.state import TrainState, optimizer_step
 
     torch.manual_seed(0)
     accelerator = Accelerator(cpu=True)

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from {{ cookiecutter.package_name }}.checkpoint import format as checkpoint_format
+from {{ cookiecutter.package_name }}.engine.checkpoint import format as checkpoint_format
 
 TRAIN = Path(__file__).resolve().parents[1] / "train.py"
 

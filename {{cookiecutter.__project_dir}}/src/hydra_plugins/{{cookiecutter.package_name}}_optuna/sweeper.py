@@ -86,7 +86,7 @@ class OptunaSweeper(Sweeper):
         storage_url = absolute_storage_url(self.storage)
         storage = None
         if storage_url is not None:
-            from {{ cookiecutter.package_name }}.pruning import open_storage
+            from {{ cookiecutter.package_name }}.engine.pruning import open_storage
 
             storage = open_storage(storage_url)
         pruner_cfg = OmegaConf.to_container(self.pruner_cfg, resolve=True)
@@ -178,7 +178,7 @@ def tell(study: Any, trial: Any, ret: Any) -> tuple[Any, bool]:
 def _tell(study: Any, trial: Any, ret: Any) -> Any:
     from optuna.trial import TrialState
 
-    from {{ cookiecutter.package_name }}.pruning import is_pruned
+    from {{ cookiecutter.package_name }}.engine.pruning import is_pruned
 
     error = ret._return_value if ret.status.name == "FAILED" else None
     if error is not None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from . import task
+from .. import task
 from .checkpoint.full_state import plain_model
 from .config import ConfigError, require
 

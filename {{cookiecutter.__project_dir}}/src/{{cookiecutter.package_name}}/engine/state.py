@@ -18,7 +18,7 @@ import torch
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
-from . import task
+from .. import task
 
 
 @dataclass

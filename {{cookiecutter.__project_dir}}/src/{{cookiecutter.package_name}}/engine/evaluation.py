@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, RandomSampler
 
-from . import task
+from .. import task
 from .accel import build_accelerator
 from .checkpoint import CheckpointError
 from .config import (

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from .. import task
+from ... import task
 from ..checkpoint import CheckpointError, CheckpointManager
 from ..nonfinite import LossGuard
 from ..state import TrainState, optimizer_step, rng_state

@@ -1,4 +1,5 @@
-"""``python -m {{ cookiecutter.package_name }}.checkpoint list|verify|export PATH``: inspect checkpoints.
+"""``python -m {{ cookiecutter.package_name }}.engine.checkpoint list|verify|export PATH``:
+inspect checkpoints.
 
     list   RUN_DIR|CHECKPOINTS_DIR|CHECKPOINT   step, epoch, size, validity, metrics
     verify PATH                                 every file's size and checksum; exit 1 if invalid

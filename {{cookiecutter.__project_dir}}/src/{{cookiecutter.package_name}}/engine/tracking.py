@@ -17,7 +17,7 @@ from accelerate.tracking import GeneralTracker
 from accelerate.utils import DistributedType
 from omegaconf import DictConfig, OmegaConf
 
-from . import task
+from .. import task
 from .checkpoint import committed_checkpoints
 from .config import ConfigError
 from .trackers import (

@@ -10,7 +10,7 @@ where a multiply-add is 2 FLOPs. Elementwise work (ReLU, norms) is left out.
 import torch
 from torch import nn
 
-from .config import require
+from ..contract import require
 
 
 def check_dropout(dropout: float) -> None:

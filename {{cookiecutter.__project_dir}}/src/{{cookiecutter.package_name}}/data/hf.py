@@ -9,8 +9,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from .config import ConfigError, require
-from .loaders import DataLoaders, make_loaders
+from ..contract import LOADER_KEYS, ConfigError, DataLoaders, make_loaders, require
 
 # datasets' packaged builders for local files, and "disk" for load_from_disk
 FORMATS = ("csv", "json", "parquet", "arrow", "disk")
@@ -113,7 +112,7 @@ def hf(
     )
 
 
-hf.resume_may_change = ("num_workers", "pin_memory", "val_batch_size", "cache_dir")
+hf.resume_may_change = (*LOADER_KEYS, "cache_dir")
 
 
 def _load(datasets, format, train_files, val_files, train_split, val_split, cache_dir):

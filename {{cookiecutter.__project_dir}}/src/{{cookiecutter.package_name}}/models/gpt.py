@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import require
-from .model import check_dropout
+from ..contract import require
+from .digits import check_dropout
 
 
 class CausalSelfAttention(nn.Module):

@@ -22,8 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from .config import require
-from .loaders import DataLoaders, make_loaders
+from ..contract import LOADER_KEYS, DataLoaders, make_loaders, require
 
 DTYPES = ("uint16", "uint32")
 WINDOWS = ("random", "sequential", "stream")
@@ -181,7 +180,7 @@ def token_file(
     )
 
 
-token_file.resume_may_change = ("num_workers", "pin_memory", "val_batch_size")
+token_file.resume_may_change = LOADER_KEYS
 
 
 def write_tokens(path: str | Path, tokens: np.ndarray, vocab_size: int) -> Path:

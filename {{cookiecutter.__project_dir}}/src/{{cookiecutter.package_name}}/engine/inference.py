@@ -4,7 +4,7 @@ run's own config (``load_model``), and the config eval.py/predict.py run with
 (the run's model, data and precision, plus the command line's overrides).
 README: "Evaluate, predict, load a model".
 
-    from {{ cookiecutter.package_name }}.inference import load_model
+    from {{ cookiecutter.package_name }}.engine.inference import load_model
     model = load_model("runs/exp1")                  # best checkpoint, eval mode
     model = load_model("runs/exp1", weights="ema")   # the EMA weights (trainer.ema)
 """

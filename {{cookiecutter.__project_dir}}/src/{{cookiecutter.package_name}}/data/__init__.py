@@ -1,0 +1,3 @@
+"""The data: the examples (``digits.py``, ``tokens.py``, ``token_file.py``, ``hf.py``)
+and yours. Each is a ``configs/data/<name>.yaml`` whose ``_target_`` is a function
+returning ``contract.make_loaders(...)`` (docs/data.md)."""
