@@ -83,6 +83,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         ".gitignore",
         ".pre-commit-config.yaml",
         "README.md",
+        "docs/trust.md",
         "pyproject.toml",
         "bench.py",
         "scripts/bench_checkpoint.py",
@@ -163,6 +164,10 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         f"{pkg}/data/assets/tokens_val.json",
         f"{pkg}/engine/__init__.py",
         f"{pkg}/engine/accel.py",
+        f"{pkg}/engine/claim.py",
+        f"{pkg}/engine/entry.py",
+        f"{pkg}/engine/fits.py",
+        f"{pkg}/engine/trust.py",
         f"{pkg}/engine/config.py",
         f"{pkg}/engine/debug.py",
         f"{pkg}/engine/early_stopping.py",
@@ -221,6 +226,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "tests/test_sweeps.py",
         "tests/test_perf.py",
         "tests/test_lifecycle.py",
+        "tests/test_trust.py",
     }
     if ctx["license"] != "Proprietary":
         files.add("LICENSE")
@@ -506,3 +512,5 @@ def test_own_model_and_data_as_the_readme_says_pass_the_projects_tests(baked, tm
     assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["metrics"]["val/acc"] > 0.8  # 3 well-separated blobs: chance is 1/3
+    # An HF-style output (.logits) and the model option's own monitor: judged on val/loss
+    assert summary["best"]["name"] == "val/loss" and summary["best"]["value"] < 0.5

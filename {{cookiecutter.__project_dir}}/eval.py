@@ -16,8 +16,10 @@ from omegaconf import DictConfig
 
 from {{ cookiecutter.package_name }}.engine import evaluation
 from {{ cookiecutter.package_name }}.engine.config import register_resolvers
+from {{ cookiecutter.package_name }}.engine.entry import run_entry_point
 
 PROJECT_ROOT = Path(__file__).resolve().parent
+CONFIG_DIR = PROJECT_ROOT / "configs"
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="eval")
@@ -28,4 +30,4 @@ def main(raw: DictConfig) -> None:
 
 if __name__ == "__main__":
     register_resolvers(PROJECT_ROOT)
-    main()
+    run_entry_point(main, CONFIG_DIR, "eval")  # Hydra's command-line errors: exit 2 too

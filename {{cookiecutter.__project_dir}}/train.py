@@ -13,6 +13,7 @@ lives in small modules there that decide about ranks themselves (README: "Layout
 
 import logging
 import sys
+from functools import partial
 from pathlib import Path
 
 import hydra
@@ -28,6 +29,7 @@ from {{ cookiecutter.package_name }}.engine.checkpoint import (
     plan_grad_accum,
     save_final_weights,
 )
+from {{ cookiecutter.package_name }}.engine.claim import Decision, agree, claim, commit_attempt
 from {{ cookiecutter.package_name }}.engine.config import (
     ConfigError,
     check_config,
@@ -39,40 +41,54 @@ from {{ cookiecutter.package_name }}.engine.config import (
 from {{ cookiecutter.package_name }}.engine.debug import Debug
 from {{ cookiecutter.package_name }}.engine.early_stopping import EarlyStopping
 from {{ cookiecutter.package_name }}.engine.ema import WeightAverage, metric_names
+from {{ cookiecutter.package_name }}.engine.entry import run_entry_point
 from {{ cookiecutter.package_name }}.engine.finetune import init_from
-from {{ cookiecutter.package_name }}.engine.launch import LaunchError, run, spans_nodes
+from {{ cookiecutter.package_name }}.engine.fits import check_model_fits_data
+from {{ cookiecutter.package_name }}.engine.launch import LaunchError, run, runs_alone, spans_nodes
 from {{ cookiecutter.package_name }}.engine.loaders import batches_per_epoch, continue_epoch, run_length
 from {{ cookiecutter.package_name }}.engine.logs import setup_rank_logging
-from {{ cookiecutter.package_name }}.engine.metrics import MetricBook
+from {{ cookiecutter.package_name }}.engine.metrics import MetricBook, WindowMeans
 from {{ cookiecutter.package_name }}.engine.nonfinite import LossGuard, NonFiniteLoss
 from {{ cookiecutter.package_name }}.engine.preemption import StopSignals, TrainingInterrupted
 from {{ cookiecutter.package_name }}.engine.preflight import PreflightFailed, run_preflight
 from {{ cookiecutter.package_name }}.engine.progress import Progress, RunClock
 from {{ cookiecutter.package_name }}.engine.pruning import TrialPruned, TrialReporter
 from {{ cookiecutter.package_name }}.engine.run_dir import (
+    check_run_name,
     check_shared_storage,
-    claim,
     hydra_run_dir,
+    hydra_run_dir_as_written,
     in_sweep,
+    made_by_this_launch,
     uses_default_run_name,
     write_summary,
 )
 from {{ cookiecutter.package_name }}.engine.seeding import same_on_every_rank, seed_everything
 from {{ cookiecutter.package_name }}.engine.state import TrainState, optimizer_step
 from {{ cookiecutter.package_name }}.engine.throughput import Throughput
-from {{ cookiecutter.package_name }}.engine.tracking import log_final_model, watch_model
+from {{ cookiecutter.package_name }}.engine.tracking import check_reachable, log_final_model, watch_model
 
 log = logging.getLogger("train")
 PROJECT_ROOT = Path(__file__).resolve().parent  # runs_root's default: <project root>/runs
-# What the loop logs itself; task.METRICS are the evaluation's (trainer.monitor picks one).
+CONFIG_DIR = PROJECT_ROOT / "configs"
+# What the loop logs itself, besides the task's own train/<log>s; task.METRICS are the
+# evaluation's (trainer.monitor picks one).
 TRAIN_METRICS = ("train/loss", "train/lr", "train/grad_norm", "train/epoch")
 
 
-def train(cfg: DictConfig, run_dir: Path) -> float | None:
+def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> float | None:
     """One process's training; runs on every rank (see launch.py). Returns the
-    best value of trainer.monitor (None with preflight.only=true)."""
+    best value of trainer.monitor (None with preflight.only=true). ``decision``:
+    the launch's main process's claim of the run dir (None on the other processes)."""
     # --- logging, accelerator, seeds -------------------------------------------------
     accelerator = build_accelerator(cfg, run_dir)
+    # Every rank takes the main process's decision about the run dir (a collective: a
+    # process launched with other values than the main one's stops them all here).
+    decision = agree(decision, cfg=cfg, run_dir=run_dir, accelerator=accelerator)
+    if decision.finished:  # some other launcher's process had to be told
+        setup_rank_logging(run_dir, files=False)
+        accelerator.end_training()
+        return report_finished(run_dir, decision.summary)
     # Every rank sees the dir the main process writes (a collective: after it, the
     # main process has claimed the dir, so the other ranks may write there too).
     check_shared_storage(run_dir, accelerator)
@@ -86,9 +102,11 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     loaders = debug.loaders(instantiate(cfg.data, what="data"))
     with same_on_every_rank(cfg.seed):
         model = instantiate(cfg.model, what="model")
+    check_model_fits_data(model, cfg.data)  # vocabulary and positions: exit 2 naming both
     # checkpoint.init_from: a new run starting from another run's weights (fine-tuning)
     fine_tuned = init_from(cfg.checkpoint, model=model)
-    optimizer = instantiate(cfg.optimizer, what="optimizer")(model.parameters())
+    # task.param_groups: no weight decay on biases, norms and embeddings by default
+    optimizer = instantiate(cfg.optimizer, what="optimizer")(task.param_groups(model))
     # samples/s, tokens/s and MFU for the logs (before prepare() wraps the model)
     throughput = Throughput(
         model,
@@ -182,6 +200,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
         total_steps=total_steps,
         start_step=step,
     )
+    commit_attempt(run_dir, accelerator)  # training starts: the staged config.json is the run's
     if cfg.preflight.only:  # preflight.only=true: the report was all we wanted
         accelerator.wait_for_everyone()
         accelerator.end_training()
@@ -191,8 +210,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     progress = Progress(total_steps, initial_step=step, clock=clock)  # rates: training time
     eval_every = cfg.trainer.eval_every_n_steps or steps_per_epoch or total_steps  # stream: end
     log_every, clip_norm = cfg.trainer.log_every_n_steps, cfg.trainer.grad_clip_norm  # read once
-    loss_sum = torch.zeros((), device=accelerator.device)  # summed on device: no sync per step
-    loss_count = 0
+    window = WindowMeans(accelerator)  # train/loss and task.loss's logs: summed on the device
     grad_norm = torch.zeros(())
     data = None  # the latest batch (its size counts the summary's samples and tokens)
     stop = False  # a stop signal reached some rank (signals.poll_stop, once per step)
@@ -208,12 +226,11 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
             train_loader, epoch=epoch, batches_done=done, num_processes=accelerator.num_processes
         )
         for batch, data in enumerate(batches, start=done + 1):
-            loss, norm = optimizer_step(
+            loss, logs, norm = optimizer_step(
                 accelerator=accelerator, state=state, batch=data, guard=guard, clip_norm=clip_norm
             )
             grad_norm = grad_norm if norm is None else norm
-            loss_sum += loss.detach()
-            loss_count += 1
+            window.add(loss, logs)
             if not accelerator.sync_gradients:
                 continue  # still accumulating micro-batches
             scheduler.step()
@@ -227,7 +244,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
                 samples, tokens = task.batch_size(batch=data)
                 accumulated = grad_accum
                 metrics = {
-                    "train/loss": accelerator.reduce(loss_sum, "mean").item() / loss_count,
+                    **window.means(),  # train/loss, train/<log>: over the window, every rank
                     "train/lr": scheduler.get_last_lr()[0],
                     "train/grad_norm": float(grad_norm),
                     "train/epoch": epoch + 1,
@@ -239,9 +256,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
                     ),
                     **clock.metrics(),  # perf/eval_s, perf/ckpt_blocking_s: not in the rates
                 }
-                loss_sum.zero_()
-                loss_count = 0
-                book.update(metrics, step)
+                book.update(metrics, step, require_monitor=book.monitor.startswith("train/"))
                 accelerator.log(metrics, step=step)
                 progress.report(step, metrics)
                 guard.check(step)  # on_nan=stop: raise, naming the first bad step
@@ -306,12 +321,26 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     return book.best_value
 
 
+def report_finished(run_dir: Path, summary: dict) -> float | None:
+    """A rerun of a finished run: say so, change nothing; its best value for sweepers."""
+    best = summary["best"]
+    log.info(
+        f"{run_dir} is a finished run (step {summary['step']}, best {best['name']} "
+        f"{best['value']} at step {best['step']}): nothing to do, nothing changed. Raise "
+        "trainer.max_steps/max_epochs to continue it, or use another run_name"
+    )
+    return best["value"]
+
+
 def launch(raw: DictConfig) -> float | None:
     """Check the config, claim the run dir, train (here or in spawned workers)."""
     cfg = resolve_config(raw)  # plain and resolved: no ${...}, no Hydra state needed
     check_config(cfg)
+    check_run_name(cfg)  # inside runs_root
     monitored = (*TRAIN_METRICS, *task.METRICS, *metric_names(cfg.trainer.ema))
-    if cfg.trainer.monitor not in monitored and not cfg.trainer.monitor.startswith("perf/"):
+    if cfg.trainer.monitor not in monitored and not cfg.trainer.monitor.startswith(
+        ("perf/", "train/")
+    ):
         raise ConfigError(
             f"trainer.monitor={cfg.trainer.monitor!r} is not a logged metric; available: "
             + ", ".join(monitored)
@@ -322,23 +351,15 @@ def launch(raw: DictConfig) -> float | None:
             "each node's own launch time: give every node's command the same run_name=NAME "
             "(or hydra.run.dir=DIR on storage every node shares)"
         )
+    check_reachable(cfg)  # a tracking server that does not answer: exit 2 in seconds
     run_dir = hydra_run_dir()
-    with claim(run_dir, cfg, raw) as claimed:  # new, this run, finished, or refused
-        if claimed.kind == "finished":
-            best = claimed.summary["best"]
-            log.info(
-                f"{run_dir} is a finished run (step {claimed.summary['step']}, best "
-                f"{best['name']} {best['value']} at step {best['step']}): nothing to do, nothing "
-                "changed. Raise trainer.max_steps/max_epochs to continue it, or use another "
-                "run_name"
-            )
-            return best["value"]
-        try:
-            return run(train, cfg, run_dir)  # here, or in N spawned workers
-        except (ConfigError, LaunchError) as err:
-            if getattr(err, "exit_code", 1) == 2:  # could not even start: leave no half-made dir
-                claimed.discard()
-            raise
+    # The main process decides (new, continue, finished, or refused: exit 2); an attempt
+    # that fails before its first step is taken back (claim.py).
+    with claim(run_dir, cfg, raw) as claimed:
+        decision = claimed.decision
+        if decision is not None and decision.finished and runs_alone(cfg.parallel):
+            return report_finished(run_dir, decision.summary)
+        return run(partial(train, decision=decision), cfg, run_dir)  # here, or in N workers
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
@@ -347,9 +368,11 @@ def main(cfg: DictConfig) -> float | None:
     try:
         return launch(cfg)
     except (ConfigError, LaunchError, CheckpointError, NonFiniteLoss, PreflightFailed) as err:
-        log.error(str(err))  # exit codes: 2 bad config, 1 failure, 3 NaN/inf loss
+        log.error(str(err))  # exit codes: 2 bad input, 1 failure, 3 NaN/inf loss (entry.py)
         if in_sweep():
             raise  # Hydra marks the job failed, runs the others, and the sweep exits 1
+        if err.exit_code == 2:
+            made_by_this_launch(hydra_run_dir_as_written(), remove=True)  # bad input: nothing left
         sys.exit(err.exit_code)
     except TrialPruned as err:  # an Optuna trial stopped by its pruner (exit code 4)
         log.info(str(err))
@@ -363,4 +386,4 @@ def main(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     register_resolvers(PROJECT_ROOT)
-    main()
+    run_entry_point(main, CONFIG_DIR, "train")  # Hydra's command-line errors: exit 2 too

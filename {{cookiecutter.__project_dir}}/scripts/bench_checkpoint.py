@@ -27,7 +27,7 @@ def bench_checkpoint(args, config: dict, work: Path, results: dict) -> None:
     scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=100)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     batch = [t.to(accelerator.device) for t in next(iter(instantiate(cfg.data).train))]
-    task.loss(model=model, batch=batch).backward()
+    task.loss(model=model, batch=batch)[0].backward()
     optimizer.step()  # the optimizer state exists
     scheduler.step()
 

@@ -130,7 +130,7 @@ def bare_stepper(*, clip: float | None, bf16: bool, device):
     def step(model, optimizer, batch):
         batch = [t.to(device, non_blocking=True) for t in batch]
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = task.loss(model=model, batch=batch)
+            loss, _ = task.loss(model=model, batch=batch)
         loss.backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)

@@ -63,7 +63,7 @@ def bench_step(args, config: dict, work: Path, results: dict) -> None:
 
     def ours():  # what train.py's loop does per step, but the bookkeeping; the grad norm
         nonlocal loss_sum
-        loss, norm = optimizer_step(
+        loss, _, norm = optimizer_step(
             accelerator=accelerator,
             state=state,
             batch=next(our_batches),

@@ -10,6 +10,7 @@ import pytest
 import torch
 import xxhash
 from accelerate import Accelerator
+from safetensors.torch import save
 
 from {{ cookiecutter.package_name }}.engine.checkpoint import CheckpointManager, folder
 from {{ cookiecutter.package_name }}.engine.checkpoint import format as fmt
@@ -23,9 +24,20 @@ from {{ cookiecutter.package_name }}.engine.preemption import StopSignals, Train
 from {{ cookiecutter.package_name }}.engine.state import TrainState
 
 
+def contents(step: int) -> dict[str, bytes]:
+    """Files every reader takes as valid (format.check_content): JSON that holds what it
+    must, a safetensors file, and bytes for the pickled ones (checked when loaded)."""
+    files = {name: f"{name} of {step}".encode() for name in fmt.REQUIRED_FILES}
+    state = {"step": step, "epoch": 0, "batch": step, "stateful": {}}
+    files["trainer_state.json"] = json.dumps(state).encode()
+    files["config.json"] = json.dumps({"seed": step}).encode()
+    files["model.safetensors"] = save({"w": torch.full((2,), float(step))})
+    return files
+
+
 def fake_checkpoint(root: Path, step: int, files: dict[str, bytes] | None = None) -> Path:
     """A committed checkpoint folder with a valid manifest over ``files``."""
-    files = files or {name: f"{name} of {step}".encode() for name in fmt.REQUIRED_FILES}
+    files = files or contents(step)
     tmp = root / f"{folder.checkpoint_name(step)}.tmp"
     tmp.mkdir(parents=True)
     entries = {}
@@ -58,9 +70,8 @@ def test_manifest_commit_and_verify(tmp_path):
 
 def test_xxh3_manifests_verify_catch_a_flipped_byte_and_sha256_ones_still_load(tmp_path):
     state = {"w": torch.arange(1000, dtype=torch.float32)}
-    files = {name: f"{name}".encode() for name in fmt.REQUIRED_FILES}
+    files = contents(3)
     files["optimizer.pt"] = bytes(fmt.torch_bytes(state))
-    files["trainer_state.json"] = b'{"step": 3}'
     new = fake_checkpoint(tmp_path / "new", 3, files)
     entries = {n: fmt.file_entry(d) for n, d in files.items()}  # the current hash
     manifest = json.loads((new / fmt.MANIFEST).read_text())
@@ -75,7 +86,7 @@ def test_xxh3_manifests_verify_catch_a_flipped_byte_and_sha256_ones_still_load(t
         assert fmt.verify_checkpoint(ckpt) is None
         loaded = fmt.verify_files(ckpt, ["optimizer.pt", "trainer_state.json"], fmt.parse_file)
         assert torch.equal(loaded["optimizer.pt"]["w"], state["w"])
-        assert loaded["trainer_state.json"] == {"step": 3}
+        assert loaded["trainer_state.json"] == json.loads(files["trainer_state.json"])
     for ckpt, algorithm in ((new, "xxh3_128"), (old, "sha256")):
         data = bytearray((ckpt / "optimizer.pt").read_bytes())
         data[len(data) // 2] ^= 0x04  # one bit of one tensor value

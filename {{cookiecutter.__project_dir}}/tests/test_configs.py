@@ -66,9 +66,10 @@ def test_option_composes_and_instantiates(group, option, compose_cfg, tmp_path):
         sweeper = ["hydra/sweeper=optuna"] if group.startswith("hydra/sweeper/") else []
         cfg = compose_cfg(*sweeper, f"{group}={option}", hydra_config=True)
         node = OmegaConf.select(cfg, group.replace("/", "."))
-        if group == "hydra/callbacks":  # a mapping of callbacks, empty for none
+        if group == "hydra/callbacks":  # a mapping of callbacks: none has no sweep summary
             assert all("_target_" in callback for callback in node.values())
-            assert (len(node) == 0) == (option == "none")
+            assert ("sweep_summary" in node) == (option != "none")
+            assert "launch_folders" in node  # configs/train.yaml's own, kept by none
         else:
             assert node is not None and "_target_" in node
         return
@@ -79,12 +80,12 @@ def test_option_composes_and_instantiates(group, option, compose_cfg, tmp_path):
 
     # Build the real objects every run builds from this config.
     model = instantiate(resolved.model)
-    optimizer = instantiate(resolved.optimizer)(model.parameters())
+    optimizer = instantiate(resolved.optimizer)(task.param_groups(model))
     scheduler = instantiate(resolved.scheduler)(optimizer, total_steps=100)
     loaders = build_data(resolved.data)
     batch = next(iter(loaders.train))
-    loss = task.loss(model=model, batch=batch)  # the task's own loss of a real batch
-    assert loss.ndim == 0 and torch.isfinite(loss)
+    loss, logs = task.loss(model=model, batch=batch)  # the task's own loss of a real batch
+    assert loss.ndim == 0 and torch.isfinite(loss) and all(v.ndim == 0 for v in logs.values())
     loss.backward()
     optimizer.step()
     scheduler.step()

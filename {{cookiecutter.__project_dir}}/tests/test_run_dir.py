@@ -15,15 +15,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from {{ cookiecutter.package_name }}.engine.claim import ATTEMPT, _lock, _unlock, inspect
 from {{ cookiecutter.package_name }}.engine.config import resolve_config
-from {{ cookiecutter.package_name }}.engine.run_dir import (
-    RunDirError,
-    _lock,
-    _unlock,
-    inspect,
-    launch_stamp,
-    write_json_atomic,
-)
+from {{ cookiecutter.package_name }}.engine.run_dir import RunDirError, launch_stamp, write_json_atomic
 
 from .conftest import ENV, FAST, ONE_PROCESS, PROJECT_ROOT, run_train, wait_for
 
@@ -132,26 +126,28 @@ def test_a_finished_run_rerun_changes_nothing_and_a_longer_one_continues(tmp_pat
     assert 30 / (wall + 5e-4) - 5e-4 <= summary["steps_per_sec"] <= 30 / (wall - 5e-4) + 5e-4
 
 
-def test_the_other_processes_of_a_launch_look_while_the_main_one_claims(compose_cfg, tmp_path):
-    """Seen in CI: rank 1 of a 2-task SLURM job looked while rank 0 was writing
-    its claim (``.hydra/``, ``.config.yaml.tmp``), called the directory another
-    run's and left; rank 0 then waited for it. The other processes count what the
-    main one writes as a new run, and leave the resume=never refusal to it."""
+def test_only_a_started_attempt_says_what_the_run_is(compose_cfg, tmp_path):
+    """The claim stages the attempt's config in .attempt/; it becomes the run's
+    config.json when training starts. An attempt killed before that leaves .attempt/
+    behind: the same config takes the directory as new, another config is refused,
+    and a committed run is judged by its config.json only."""
     cfg = resolve_config(compose_cfg("checkpoint.resume=never"))
     run_dir = tmp_path / "run"
-    (run_dir / ".hydra").mkdir(parents=True)
-    (run_dir / ".hydra" / "config.yaml").write_text("{}")
-    (run_dir / ".config.yaml.tmp").write_text("partial")  # main, mid-write
-    assert inspect(run_dir, cfg, main=False) == ("new", None)
+    (run_dir / ATTEMPT).mkdir(parents=True)
+    write_json_atomic(run_dir / ATTEMPT / "config.json", OmegaConf.to_container(cfg))
+    (run_dir / "train.log").write_text("killed before its first step")  # a diagnostic
+    assert inspect(run_dir, cfg).kind == "new"
+    (run_dir / "metrics.csv").write_text("time,step,name,value\n")  # not a diagnostic
+    assert inspect(run_dir, cfg).kind == "new"  # the same config: the same attempt again
+    other = resolve_config(compose_cfg("seed=7"))
     with pytest.raises(RunDirError, match="holds no run of this project"):
-        inspect(run_dir, cfg)  # to the main process this is another run's
-    (run_dir / "notes.txt").write_text("someone else's")  # not a claim file: refused by all
-    with pytest.raises(RunDirError, match="holds no run of this project"):
-        inspect(run_dir, cfg, main=False)
-    (run_dir / "notes.txt").unlink()
+        inspect(run_dir, other)
+    (run_dir / "notes.txt").write_text("someone else's")  # leftovers aside, no run here
     write_json_atomic(run_dir / "config.json", OmegaConf.to_container(cfg, resolve=True))
-    assert inspect(run_dir, cfg, main=False) == ("continue", None)  # main's fresh config.json
     with pytest.raises(RunDirError, match=r"checkpoint\.resume=never, but"):
+        inspect(run_dir, cfg)
+    (run_dir / "config.json").write_text("[" * 200_000)  # hostile: never parsed deep
+    with pytest.raises(RunDirError, match="not a config this project wrote"):
         inspect(run_dir, cfg)
 
 
@@ -239,16 +235,155 @@ BAD_INPUT = {
     ),
     "model": (["model._target_=torch.nn.Linear"], "model: cannot build torch.nn.Linear"),
     "monitor": (["trainer.monitor=val/f1"], "trainer.monitor='val/f1' is not a logged metric"),
+    # Hydra's own errors about the command line (entry.py)
+    "typo": (
+        ["trainer.max_step=10"],
+        "trainer.max_step=10 is not a key of the config: did you mean trainer.max_steps",
+    ),
+    "option": (
+        ["tracker=foo"],
+        "tracker=foo is not an option: choose one of csv, mlflow, none, tensorboard, wandb",
+    ),
+    # interpolations: a data file that is not there, a key the data option does not have
+    "token file": (
+        ["model=gpt", "data=token_file", "data.train_path=/no/such/train.bin"],
+        "the data file /no/such/train.bin does not exist",
+    ),
+    "no vocab_size": (
+        ["model=gpt"],
+        "model.vocab_size='${data.vocab_size}' reads data.vocab_size, which this config does not "
+        "have",
+    ),
+    # several value errors at once: each named, one exit
+    "values": (
+        ["optimizer.lr=-1", "seed=abc", "trainer.max_steps=abc", "checkpoint.keep_last=-1"],
+        "seed='abc' is not allowed: expected an integer in [0, 2**32)\n  optimizer.lr=-1 is not "
+        "allowed: expected a number > 0",
+    ),
+    "vocabulary": (
+        ["model=gpt", "data=tokens", "model.vocab_size=100", "data.num_train=64"],
+        "the model's input embedding has 100 rows, but data.vocab_size=256",
+    ),
+    "positions": (
+        ["model=gpt", "data=tokens", "model.seq_len=64", "data.num_train=64"],
+        "data.seq_len=128 is not allowed with this model: it takes at most 64 positions",
+    ),
+    "tracking server": (
+        ["tracker=mlflow", "tracker.mlflow.tracking_uri=http://127.0.0.1:9"],
+        "tracker.mlflow.tracking_uri='http://127.0.0.1:9' is not reachable (Connection refused)",
+    ),
+    "run_name up": (["run_name=../x"], "run_name='../x' is not allowed: expected a name inside"),
+    "run_name around": (["run_name=a/../../../x"], "run_name='a/../../../x' is not allowed"),
 }
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every path under ``root``, folders included, with each file's digest."""
+    return {
+        p.relative_to(root).as_posix(): (
+            hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        )
+        for p in sorted(root.rglob("*"))
+    }
 
 
 @pytest.mark.parametrize("case", BAD_INPUT)
 def test_bad_input_exits_2_naming_the_value_and_writes_nothing(tmp_path, case):
     overrides, expected = BAD_INPUT[case]
-    runs = tmp_path / "runs"
+    runs = tmp_path / "project" / "runs"
+    (runs / "earlier").mkdir(parents=True)
+    (runs / "earlier" / "notes.txt").write_text("an earlier run")
+    before = tree(tmp_path)
     proc = train(tmp_path, *SHORT, "trainer.max_steps=5", f"runs_root={runs}", *overrides)
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == 2, out[-3000:]
     assert expected in out and "Traceback" not in out
     assert "step 5/5" not in out  # refused before the first step
-    assert not [p for p in runs.rglob("*") if p.is_file()]  # no half-made run dir
+    assert tree(tmp_path) == before  # nothing made, nothing changed, inside runs/ or out
+
+
+def test_a_read_only_place_is_refused_with_exit_2_and_left_as_it_was(tmp_path):
+    """A runs_root and a run dir on a read-only file system: one clear error (exit 2),
+    the finished run in it unchanged."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root to mount a tmpfs")
+    place = tmp_path / "ro"
+    place.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(place)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        run_train(place / "done", *SHORT)
+        subprocess.run(["mount", "-o", "remount,ro", str(place)], check=True)
+        before = tree(place)
+        new = train(tmp_path, *SHORT, f"runs_root={place / 'runs'}")
+        out = new.communicate(timeout=300)[0]
+        assert new.returncode == 2 and "Traceback" not in out, out[-2000:]
+        assert f"cannot make the run dir {place / 'runs'}" in out and "Read-only file system" in out
+        longer = run_train(place / "done", *SHORT, "trainer.max_steps=30", check=False)
+        assert longer.proc.returncode == 2 and "Traceback" not in longer.output
+        assert f"cannot use {place / 'done'} as the run dir: Read-only file system" in longer.output
+        assert tree(place) == before
+    finally:
+        subprocess.run(["umount", str(place)], check=True)
+
+
+@pytest.mark.multiprocess
+def test_two_launchers_extend_a_finished_run_and_stop_together_when_they_disagree(tmp_path):
+    """Seen before: extending a finished 2-node run with the same two commands, node 1
+    read the config.json node 0 had just rewritten, called the run finished and left;
+    node 0 waited 901 s at the rendezvous. One decision per launch, every node takes it."""
+    from .test_parallel import finish, free_port, start_nodes
+
+    run_dir = tmp_path / "run"
+    nodes = start_nodes(tmp_path, [run_dir, run_dir], free_port(), *SHORT)
+    outputs = finish(nodes)
+    assert [n.returncode for n in nodes] == [0, 0], outputs
+    again = start_nodes(tmp_path, [run_dir, run_dir], free_port(), *SHORT)  # finished
+    outputs = finish(again, timeout=120)
+    assert [n.returncode for n in again] == [0, 0], outputs
+    assert "is a finished run (step 20" in outputs[0] + outputs[1]
+    longer = start_nodes(tmp_path, [run_dir, run_dir], free_port(), *SHORT, "trainer.max_steps=30")
+    outputs = finish(longer, timeout=180)
+    assert [n.returncode for n in longer] == [0, 0], outputs
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["step"] == 30 and summary["world_size"] == 2 and summary["resumed_from"]
+
+    # Two nodes started with other values: both stop at once, with the same reason.
+    other, port = tmp_path / "other", free_port()
+    start = time.monotonic()
+    node = ["parallel=ddp", "parallel.num_processes=1", "parallel.num_nodes=2"]
+    node += ["parallel.master_addr=127.0.0.1", f"parallel.master_port={port}", *SHORT]
+    differing = [
+        subprocess.Popen(
+            [sys.executable, TRAIN, ONE_PROCESS, *node, f"parallel.node_rank={rank}", steps,
+             f"hydra.run.dir={other}"],
+            cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank, steps in ((0, "trainer.max_steps=30"), (1, "trainer.max_steps=40"))
+    ]  # fmt: skip
+    outputs = finish(differing, timeout=120)
+    assert [n.returncode for n in differing] == [2, 2], outputs
+    assert time.monotonic() - start < 90
+    for out in outputs:
+        assert "rank 1: trainer.max_steps: 30 -> 40" in out and "Traceback" not in out
+    # A new run dir whose attempt never started is taken back (an empty folder may stay:
+    # two launchers race to make it, and each removes only what it made itself).
+    assert not other.exists() or not [p for p in other.rglob("*") if p.is_file()]
+
+
+def test_a_failed_attempt_changes_nothing_and_the_next_one_extends_the_run(tmp_path):
+    """An attempt that fails after the claim, before its first step (here: its data
+    refuses a value the claim allows to change), leaves config.json and .hydra/ as they
+    were; the next valid attempt extends the run instead of being told it is finished."""
+    run_dir = tmp_path / "run"
+    run_train(run_dir, *SHORT)
+    said = {p: tree(run_dir)[p] for p in ("config.json", "config.yaml", ".hydra/overrides.yaml")}
+    failed = run_train(
+        run_dir, *SHORT, "trainer.max_steps=30", "data.val_batch_size=0", check=False
+    )
+    assert failed.proc.returncode == 2 and "Traceback" not in failed.output
+    assert "data.val_batch_size=0 is not allowed" in failed.output
+    assert {p: tree(run_dir)[p] for p in said} == said and not (run_dir / ".attempt").exists()
+    longer = run_train(run_dir, *SHORT, "trainer.max_steps=30")
+    assert longer.summary["step"] == 30 and "is a finished run" not in longer.output
+    assert json.loads((run_dir / "config.json").read_text())["trainer"]["max_steps"] == 30

@@ -245,7 +245,7 @@ def test_sharded_fsdp_checkpoints_hold_no_pickle_export_and_refuse_tampering(tmp
     )
     _, out = train(run_dir, *args, "parallel=none", "trainer.max_steps=20")
     assert f"skipping checkpoint {ckpts[2]}: {shard}: xxh3_128 does not match" in out
-    assert f"skipping checkpoint {ckpts[1]}:" in out and "not a safetensors shard" in out
+    assert f"skipping checkpoint {ckpts[1]}:" in out and "not a safetensors file" in out
     assert f"resumed from {ckpts[0]}: step 5" in out
     assert not marker.exists()  # nothing was unpickled
     assert json.loads((run_dir / "summary.json").read_text())["step"] == 20

@@ -204,19 +204,21 @@ def test_train_returns_the_best_monitored_metric(compose_cfg, tmp_path):
         ),
         ("trainer.mixed_precision=fp16", "trainer.mixed_precision='fp16' needs a GPU"),
         ("trainer.monitor=val/f1", "trainer.monitor='val/f1' is not a logged metric"),
-        ("model=resnet", "Could not find 'model/resnet'"),
-        ("tracker=nope", "Could not find 'tracker/nope'"),
-        ("trainer.max_stepz=5", "Key 'max_stepz' is not in struct"),
+        # Hydra's own command-line errors end like ours (entry.py): exit 2, what is allowed
+        ("model=resnet", "model=resnet is not an option: choose one of cnn, gpt, hf, mlp"),
+        ("tracker=nope", "tracker=nope is not an option: choose one of csv, mlflow, none,"),
+        (
+            "trainer.max_stepz=5",
+            "trainer.max_stepz=5 is not a key of the config: did you mean trainer.max_steps",
+        ),
     ],
 )
 def test_bad_input_fails_before_training_with_a_clear_message(train_run, override, expected):
     run = train_run(*FAST, override, check=False)
-    assert run.proc.returncode != 0
+    assert run.proc.returncode == 2
     assert expected in run.output
     assert "Traceback" not in run.output
-    assert not (run.run_dir / "summary.json").exists()
-    if expected.startswith(("Could not", "Key")):
-        assert "Available options" in run.output or "struct" in run.output
+    assert not run.run_dir.exists()  # bad input leaves nothing on disk
 
 
 @pytest.mark.skipif(
@@ -267,11 +269,11 @@ def test_the_loop_step_is_accelerates_step_bit_for_bit():
     guard = LossGuard("stop", accelerator)
     for step in range(4):
         batch = [torch.randn(32, 8) * (10 if step == 1 else 1), torch.randint(0, 3, (32,))]
-        loss, norm = optimizer_step(
+        loss, _, norm = optimizer_step(
             accelerator=accelerator, state=state, batch=batch, guard=guard, clip_norm=0.1
         )
         with accelerator.accumulate(theirs):
-            their_loss = task.loss(model=theirs, batch=batch)
+            their_loss, _ = task.loss(model=theirs, batch=batch)
             accelerator.backward(their_loss)
             their_norm = accelerator.clip_grad_norm_(theirs.parameters(), 0.1)
             theirs_opt.step()

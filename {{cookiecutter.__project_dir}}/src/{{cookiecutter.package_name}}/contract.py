@@ -1,14 +1,28 @@
 """What the owner's files (``task.py``, ``models/``, ``data/``) use of the engine, and
 all they use of it: a model or data function checks its arguments with ``require``
-(a bad value is a ``ConfigError``: exit 2 before any work) and a data function
-returns ``make_loaders(...)`` (docs/own-model.md, docs/data.md).
+(a bad value is a ``ConfigError``: exit 2 before any work); a data function returns
+``make_loaders(...)``, and text data tokenizes with ``load_tokenizer``; the task
+averages its evaluation with ``average_over_batches`` and groups the parameters with
+``decay_groups`` (docs/own-model.md, docs/data.md).
 """
 
+from .engine.batch_means import average_over_batches
 from .engine.config import ConfigError, require
 from .engine.loaders import DataLoaders, make_loaders
+from .engine.param_groups import decay_groups
+from .engine.tokenizer import load_tokenizer
 
 # Data arguments that never change which samples a step sees: a resumed run may change
 # them (a data function lists them as its ``resume_may_change``).
 LOADER_KEYS = ("num_workers", "pin_memory", "val_batch_size")
 
-__all__ = ["LOADER_KEYS", "ConfigError", "DataLoaders", "make_loaders", "require"]
+__all__ = [
+    "LOADER_KEYS",
+    "ConfigError",
+    "DataLoaders",
+    "average_over_batches",
+    "decay_groups",
+    "load_tokenizer",
+    "make_loaders",
+    "require",
+]

@@ -1,10 +1,15 @@
-"""THE task: what a batch is, the loss of one, the evaluation with its metrics,
-and what a prediction is.
+"""THE task: what a batch is, what the model is called with, the loss of a batch and
+what is logged beside it, how the optimizer groups the parameters, the evaluation and
+what a prediction is. The training loop, eval.py, predict.py, preflight, the throughput
+figures and MLflow's model export ask this module; a new task is an edit here (with a
+model in models/ and data in data/) and nowhere else (docs/own-model.md).
 
-The training loop, preflight, throughput, tracking and bench.py ask this module;
-for a new task edit it (with ``model.py``/``data.py``) and nothing else. The
-example: classification (labels ``(batch,)``) and next-token prediction (targets
-``(batch, positions)``); every position is one prediction. README: "Use your own model and data".
+The forward contract: the model is called with ``inputs(batch)`` and returns logits,
+``(batch, classes)`` or ``(batch, positions, vocab)``, as a tensor or as an object with
+``.logits`` (a Hugging Face output). The example is classification (labels
+``(batch,)``) and next-token prediction (targets ``(batch, positions)``, shifted by the
+data already: a Hugging Face ``labels=`` loss would shift them again); every position
+is one prediction.
 """
 
 import math
@@ -13,8 +18,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-# What ``evaluate`` returns: ``trainer.monitor`` must be one of these. ``val/ppl``
-# (perplexity, exp of the mean loss per token) only for token targets.
+from .contract import average_over_batches, decay_groups
+
+# What ``evaluate`` returns: ``trainer.monitor`` is one of these, or a ``train/<name>``
+# the loop logs (train/loss and loss's logs). ``val/ppl`` only for token targets.
 METRICS = ("val/loss", "val/acc", "val/ppl")
 
 
@@ -33,38 +40,66 @@ def batch_size(*, batch: Any) -> tuple[int, int | None]:
     return len(y), (y.numel() if y.dim() > 1 else None)
 
 
-def cross_entropy(logits: torch.Tensor, y: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-    """Class labels (batch,) or token targets (batch, positions): both flatten
-    to rows of logits."""
-    return F.cross_entropy(logits.flatten(0, -2), y.flatten(), **kwargs)
+def logits(output: Any) -> torch.Tensor:
+    """The model's logits: its output, or the output's ``.logits``."""
+    found = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
+    if not isinstance(found, torch.Tensor):
+        raise TypeError(
+            f"the model returned {type(output).__name__}; task.py expects logits: a tensor "
+            "(batch, classes) or (batch, positions, vocab), or an object with a .logits "
+            "tensor (a Hugging Face output)"
+        )
+    return found
 
 
-def loss(*, model: torch.nn.Module, batch: Any) -> torch.Tensor:
-    """The training objective of one micro-batch of the train loader."""
-    return cross_entropy(model(inputs(batch=batch)), targets(batch=batch))
+def cross_entropy(out: torch.Tensor, y: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """Class labels (batch,) or token targets (batch, positions): both flatten to rows."""
+    return F.cross_entropy(out.flatten(0, -2), y.flatten(), **kwargs)
 
 
-def predict(*, model: torch.nn.Module, batch: Any) -> torch.Tensor:
-    """What predict.py writes per sample: the most likely class (per position
-    for token targets)."""
-    return model(inputs(batch=batch)).argmax(dim=-1)
+def loss(*, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The training objective of one micro-batch, and what to log beside it: the loop
+    averages each log over its log window as ``train/<name>``, and ``evaluate`` over
+    the validation set as ``val/<name>``. Return the loss alone when there is nothing."""
+    out, y = logits(model(inputs(batch=batch))), targets(batch=batch)
+    accuracy = (out.detach().argmax(dim=-1) == y).float().mean()
+    return cross_entropy(out, y), {"acc": accuracy}
+
+
+def param_groups(model: torch.nn.Module) -> Any:
+    """The optimizer's parameter groups: the optimizer's weight decay on the weights of
+    linear and convolution layers, none on biases, norms and embeddings (the standard
+    for transformers). ``return model.parameters()`` decays everything alike."""
+    return decay_groups(model)
+
+
+def evaluate(*, model: torch.nn.Module, loader: Any, accelerator: Any) -> dict[str, float]:
+    """METRICS over the whole validation set: ``loss`` and its logs, averaged over every
+    sample (every token) the same way on any number of processes. Call on every rank."""
+    tokens = []  # whether the targets have positions (a language model)
+
+    def weight(batch: Any) -> int:
+        samples, counted = batch_size(batch=batch)
+        tokens.append(counted is not None)
+        return counted or samples
+
+    model.eval()
+    means = average_over_batches(lambda b: loss(model=model, batch=b), loader, accelerator, weight)
+    model.train()
+    metrics = {f"val/{name}": value for name, value in means.items()}
+    if any(tokens):  # per-token perplexity
+        metrics["val/ppl"] = math.exp(min(metrics["val/loss"], 700.0))
+    return metrics
 
 
 @torch.no_grad()
-def evaluate(*, model: torch.nn.Module, loader: Any, accelerator: Any) -> dict[str, float]:
-    """METRICS over the whole validation set, summed across ranks. Call on every rank."""
-    model.eval()
-    loss_sum = torch.zeros((), device=accelerator.device)
-    correct = torch.zeros((), device=accelerator.device)
-    count = torch.zeros((), device=accelerator.device)
-    for batch in loader:
-        logits = model(inputs(batch=batch))
-        logits, y = accelerator.gather_for_metrics((logits, targets(batch=batch)))
-        loss_sum += cross_entropy(logits.float(), y, reduction="sum")
-        correct += (logits.argmax(dim=-1) == y).sum()
-        count += y.numel()
-    model.train()
-    metrics = {"val/loss": (loss_sum / count).item(), "val/acc": (correct / count).item()}
-    if y.dim() > 1:  # a language model: per-token perplexity
-        metrics["val/ppl"] = math.exp(metrics["val/loss"])
-    return metrics
+def predict(*, model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+    """What predict.py writes per sample, a column each: the most likely class; for
+    token targets, each sequence's mean loss per token and its perplexity."""
+    out, y = logits(model(inputs(batch=batch))), targets(batch=batch)
+    if y.dim() == 1:
+        return {"prediction": out.argmax(dim=-1), "target": y}
+    per_token = cross_entropy(out.float(), y, reduction="none").view(y.shape)
+    sequence = per_token.mean(dim=1)
+    tokens = torch.full_like(y[:, 0], y.shape[1])
+    return {"loss": sequence, "perplexity": sequence.exp(), "tokens": tokens}

@@ -12,13 +12,17 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, MissingMandatoryValue, OmegaConf
 
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 PARALLEL_MODES = ("none", "ddp", "fsdp", "deepspeed")
 # Data keys named like paths (``path``, ``train_file``, ``data_dir``, ``root`` ...)
-# must exist: a missing file is reported with its path before any work.
+# must exist: a missing file is reported with its path before any work. Caches are
+# written, not read (``cache_dir``), and a glob (``files: corpus/*.txt``) is the data
+# function's to match: neither is checked here.
 PATH_KEY = re.compile(r"(^|_)(path|file|dir|root)s?$")
+NOT_READ = re.compile(r"^cache(_|$)")
+GLOB = re.compile(r"[*?\[]")
 
 
 class ConfigError(ValueError):
@@ -40,8 +44,8 @@ def require(key: str, value: Any, ok: bool, expected: str) -> None:
 def register_resolvers(project_root: Path | None = None) -> None:
     """``${default_run_name:}``, ``${launch_stamp:}`` and ``${project_root:}``
     (the directory holding train.py; default: the working directory) for
-    configs/train.yaml, and ``${sidecar:FILE,KEY}`` for data configs. Call before
-    composing."""
+    configs/train.yaml, and ``${sidecar:FILE,KEY}`` and ``${tokenizer_vocab:PATH}`` for
+    data configs. Call before composing."""
     from .run_dir import default_run_name, launch_stamp  # the run dir owns the naming rule
 
     root = str(Path(project_root or Path.cwd()).resolve())
@@ -50,6 +54,7 @@ def register_resolvers(project_root: Path | None = None) -> None:
     register("launch_stamp", launch_stamp, replace=True, use_cache=True)
     register("project_root", lambda: root, replace=True)
     register("sidecar", sidecar, replace=True)
+    register("tokenizer_vocab", tokenizer_vocab, replace=True)
 
 
 def sidecar(path: str, key: str) -> Any:
@@ -57,6 +62,8 @@ def sidecar(path: str, key: str) -> Any:
     the suffix ``.json``, e.g. ``train.bin`` -> ``train.json``), so a value the data
     knows (its vocabulary size) is written once, by whoever wrote the data, and the
     model's config reads it as ``${data.vocab_size}``."""
+    if not Path(path).is_file():
+        raise ConfigError(f"the data file {path} does not exist (its {key} is read from it)")
     meta = Path(path).with_suffix(".json")
     if not meta.is_file():
         raise ConfigError(
@@ -69,20 +76,65 @@ def sidecar(path: str, key: str) -> Any:
     return values[key]
 
 
+def tokenizer_vocab(path: str | None) -> int:
+    """``${tokenizer_vocab:PATH}``: the vocabulary size of a tokenizer (null: bytes, 257),
+    so a text data option gives the model the value it needs."""
+    from .tokenizer import vocab_size
+
+    return vocab_size(path)
+
+
 def resolve_config(cfg: DictConfig) -> DictConfig:
     """A fully resolved copy with no ``${...}`` left and no link to Hydra, in
-    struct mode so a typo in a key still fails loudly."""
+    struct mode so a typo in a key still fails loudly. An interpolation that cannot
+    be resolved is a ConfigError naming the key, what it reads and what is there."""
     from omegaconf.errors import InterpolationResolutionError
 
     try:
         container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except InterpolationResolutionError as err:
-        if isinstance(err.__cause__, ConfigError):  # a resolver's own clear error (sidecar)
-            raise err.__cause__ from None
-        raise
-    resolved = OmegaConf.create(container)
+        cause = err.__cause__ or err.__context__  # OmegaConf chains the resolver's error
+        while cause is not None and not isinstance(cause, ConfigError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:  # a resolver's own clear error (sidecar)
+            raise cause from None
+        raise ConfigError(_unresolvable(cfg, err)) from None
+    except MissingMandatoryValue as err:
+        raise ConfigError(
+            f"{err.full_key} has no value (???): give it on the command line, "
+            f"e.g. {err.full_key}=VALUE"
+        ) from None
+    from .trust import literal  # the resolved values are data: a ``${`` left in them is text
+
+    resolved = OmegaConf.create(literal(container))
     OmegaConf.set_struct(resolved, True)
     return resolved
+
+
+def _unresolvable(cfg: DictConfig, err: Exception) -> str:
+    """The message for an interpolation that reads a key that is not there, e.g.
+    model.vocab_size=${data.vocab_size} with a data option that has no vocab_size."""
+    key = getattr(err, "full_key", "") or "?"
+    try:  # the interpolation as written, e.g. '${data.vocab_size}'
+        raw: Any = OmegaConf.to_container(cfg, resolve=False)
+        for part in key.split("."):
+            raw = raw[part]
+    except (KeyError, TypeError, ValueError):
+        raw = None
+    message = f"{key}={raw!r} cannot be resolved: {str(err).splitlines()[0]}"
+    missing = re.search(r"Interpolation key '([^']+)' not found", str(err))
+    if missing:
+        wanted = missing.group(1)
+        group, _, leaf = wanted.rpartition(".")
+        node = OmegaConf.select(cfg, group, throw_on_resolution_failure=False) if group else cfg
+        there = ", ".join(sorted(str(k) for k in node)) if isinstance(node, DictConfig) else ""
+        message = (
+            f"{key}={raw!r} reads {wanted}, which this config does not have"
+            + (f" ({group} has: {there})" if there else "")
+            + f". Choose a {group or 'config'} option that provides {leaf}, or set it: "
+            f"+{wanted}=VALUE"
+        )
+    return message
 
 
 def instantiate(node: Any, what: str = "config", **kwargs: Any) -> Any:
@@ -181,6 +233,12 @@ def _port(v: Any) -> bool:
     return v is None or (_is_int(v) and 1 <= v <= 65535)
 
 
+def _module_names(v: Any) -> bool:
+    return isinstance(v, list | ListConfig) and all(
+        isinstance(m, str) and all(part.isidentifier() for part in m.split(".")) for m in v
+    )
+
+
 def _mixed_precision(v: Any) -> bool:
     # YAML reads an unquoted `no` as false; accept it as "no".
     return v is False or v in MIXED_PRECISION
@@ -188,6 +246,7 @@ def _mixed_precision(v: Any) -> bool:
 
 RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("seed", _seed, "an integer in [0, 2**32)"),
+    ("trusted_targets", _module_names, "a list of module names (e.g. [mylib.models])"),
     ("deterministic", lambda v: isinstance(v, bool), "true or false"),
     ("optimizer.lr", _positive_number, "a number > 0"),
     ("optimizer.weight_decay", _non_negative_number, "a number >= 0"),
@@ -267,7 +326,13 @@ def _missing_paths(node: Any, prefix: str) -> list[str]:
         name = f"{prefix}.{key}"
         if isinstance(value, DictConfig | dict):
             problems += _missing_paths(value, name)
-        elif isinstance(value, str) and PATH_KEY.search(str(key)) and not Path(value).exists():
+        elif (
+            isinstance(value, str)
+            and PATH_KEY.search(str(key))
+            and not NOT_READ.search(str(key))
+            and not GLOB.search(value)
+            and not Path(value).exists()
+        ):
             problems.append(
                 f"{name}={value!r} is not allowed: no such file or directory "
                 f"({Path(value).resolve()})"
@@ -359,6 +424,7 @@ ALLOWED_CONFIG_CHANGES = (
     "run_name",
     "project",
     "preflight",
+    "trusted_targets",
 )
 
 

@@ -7,7 +7,6 @@ sampler's padding). README: "Evaluate, predict, load a model".
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import dataclasses
 import logging
@@ -33,18 +32,19 @@ from .config import (
     resolve_config,
 )
 from .inference import (
+    BUILT_FROM_RUN,
     PICKS,
     WEIGHTS,
     check_choice,
     load_checkpoint,
-    read_weights,
-    resolve_checkpoint,
+    read_first_valid,
     run_config,
     run_values,
+    trusted_config,
 )
 from .launch import LaunchError, run
 from .logs import setup_rank_logging
-from .run_dir import hydra_run_dir, write_json_atomic
+from .run_dir import hydra_run_dir, made_by_this_launch, write_json_atomic
 
 log = logging.getLogger(__name__)
 SPLITS = ("val", "test", "train")  # loader attributes of the data module's result
@@ -74,14 +74,16 @@ def prepare(raw: DictConfig) -> tuple[DictConfig, Path]:
         check_choice("split", composed.split, SPLITS)
         found = Path(composed.ckpt).exists()
         require("ckpt", composed.ckpt, found, "a run dir, its checkpoints/ or a step_* dir")
-        ckpt = resolve_checkpoint(composed.ckpt, composed.ckpt_pick)
-        _, saved = read_weights(ckpt, composed.weights)  # verified: refused before any work
+        # the first valid checkpoint (verified: a corrupt one is skipped, as resume does)
+        ckpt, _, saved = read_first_valid(composed.ckpt, composed.ckpt_pick, composed.weights)
+        # the run's model and data are built only from targets this project trusts
+        where = str(ckpt / "config.json")
+        saved = trusted_config(saved, BUILT_FROM_RUN, trusted=composed.trusted_targets, where=where)
         cfg = run_config(saved, composed, list(HydraConfig.get().overrides.task))
         cfg.ckpt, cfg.ckpt_pick = str(ckpt), "best"  # every worker loads exactly this one
         check_config(cfg)
     except (ConfigError, CheckpointError):
-        with contextlib.suppress(OSError):
-            out_dir.rmdir()  # only if empty: nothing else is ever removed
+        made_by_this_launch(out_dir, remove=True)  # the empty folders Hydra made: nothing left
         raise
     out_dir.mkdir(parents=True, exist_ok=True)
     return cfg, out_dir
@@ -161,9 +163,11 @@ def predict(cfg: DictConfig, out_dir: Path) -> Path:
 def _write_predictions(
     cfg: DictConfig, out_dir: Path, accelerator: Any, loaded: Any, loaders: Any
 ) -> Path:
-    """Rows ``index,prediction,target`` (sequences: space-separated tokens).
-    ``gather_for_metrics`` returns the ranks' batches in dataset order and drops
-    the samples the distributed sampler repeated to even out the last batch."""
+    """One row per sample: ``index`` and the columns ``task.predict`` returns (the
+    example: ``prediction,target`` for classes; ``loss,perplexity,tokens`` per sequence
+    for a language model; sequences as space-separated values). ``gather_for_metrics``
+    returns the ranks' batches in dataset order and drops the samples the distributed
+    sampler repeated to even out the last batch."""
     split = cfg.get("split", "val")
     loader = getattr(loaders, split, None)
     shuffles = isinstance(getattr(loader, "sampler", None), RandomSampler)  # e.g. split=train
@@ -177,26 +181,26 @@ def _write_predictions(
         )
         loaders = dataclasses.replace(loaders, **{split: loader})
     loader = _split(loaders, split, accelerator)
-    loaded.model.eval()  # task.evaluate leaves the model in train mode
-    predictions, targets = [], []
+    loaded.model.eval()
+    columns: dict[str, list[torch.Tensor]] = {}
     for batch in loader:
-        pred = task.predict(model=loaded.model, batch=batch)
-        pred, y = accelerator.gather_for_metrics((pred, task.targets(batch=batch)))
-        predictions.append(pred.cpu())
-        targets.append(y.cpu())
+        predicted = accelerator.gather_for_metrics(task.predict(model=loaded.model, batch=batch))
+        for name, values in predicted.items():
+            columns.setdefault(name, []).append(values.cpu())
     path = out_dir / "predictions.csv"
     if accelerator.is_main_process:
         tmp = path.with_suffix(".csv.tmp")
+        names = list(columns)
+        rows = zip(*(torch.cat(columns[n]) for n in names), strict=True) if names else []
+        count = 0
         with open(tmp, "w", newline="") as f:
             writer = csv.writer(f)
-            writer.writerow(["index", "prediction", "target"])
-            index = 0
-            for pred, y in zip(predictions, targets, strict=True):
-                for p, t in zip(pred, y, strict=True):
-                    writer.writerow([index, _cell(p), _cell(t)])
-                    index += 1
+            writer.writerow(["index", *names])
+            for index, row in enumerate(rows):
+                writer.writerow([index, *(_cell(v) for v in row)])
+                count += 1
         tmp.replace(path)
-        log.info(f"{index} predictions of the {split!r} split: {path}")
+        log.info(f"{count} predictions of the {split!r} split ({', '.join(names)}): {path}")
     return path
 
 

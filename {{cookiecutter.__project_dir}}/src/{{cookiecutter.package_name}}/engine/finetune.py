@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .config import ConfigError
-from .inference import read_weights, resolve_checkpoint
+from .inference import read_first_valid
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,7 @@ def init_from(checkpoint: Any, *, model: torch.nn.Module) -> dict[str, Any]:
         checkpoint.get("init_from_pick", "best"),
         checkpoint.get("init_from_weights", "raw"),
     )
-    ckpt = resolve_checkpoint(source, pick)
-    theirs, _ = read_weights(ckpt, weights)
+    ckpt, theirs, _ = read_first_valid(source, pick, weights)
     own = model.state_dict()
     report = {"source": str(ckpt), "weights": weights, **key_report(own, theirs)}
     differs = report["missing"] or report["unexpected"] or report["mismatched"]

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from .trust import literal
+
 log = logging.getLogger(__name__)
 
 # Set by every launcher we support for each process it starts.
@@ -78,6 +80,12 @@ def spans_nodes(parallel: DictConfig) -> bool:
     if under_launcher():
         return int(os.environ.get("WORLD_SIZE", "1")) > int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return parallel.mode != "none" and int(parallel.get("num_nodes", 1)) > 1
+
+
+def runs_alone(parallel: DictConfig) -> bool:
+    """True when this process is the whole run, or starts all of its processes itself
+    (no other launcher, node or SLURM task takes part)."""
+    return not under_launcher() and slurm_task_count() < 2 and not spans_nodes(parallel)
 
 
 def slurm_task_count() -> int:
@@ -189,7 +197,7 @@ def _worker(fn: Callable[[DictConfig, Path], Any], container: dict, run_dir: str
     from torch.distributed.elastic.multiprocessing.errors import record
 
     _die_with_parent()
-    cfg = OmegaConf.create(container)
+    cfg = OmegaConf.create(literal(container))  # resolved already: a ``${`` left is text
     OmegaConf.set_struct(cfg, True)
     try:
         # record() writes the error where the launcher reads it for the report.

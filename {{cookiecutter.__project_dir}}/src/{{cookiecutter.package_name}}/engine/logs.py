@@ -63,12 +63,14 @@ def discard_run_logs() -> None:
             handler.close()
 
 
-def setup_rank_logging(run_dir: Path) -> None:
+def setup_rank_logging(run_dir: Path, *, files: bool = True) -> None:
     """With several processes: every rank logs to a file in the run dir
     (``train.log`` for rank 0, ``train_rank{r}.log`` for the others), and only
-    rank 0 to the console. A single process keeps Hydra's logging as it is."""
+    rank 0 to the console. A single process keeps Hydra's logging as it is.
+    ``files=False``: the console only (a finished run's dir stays as it is)."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        open_run_logs()
+        if files:
+            open_run_logs()
         return
     rank = global_rank()
     root = logging.getLogger()
@@ -76,7 +78,7 @@ def setup_rank_logging(run_dir: Path) -> None:
         root.removeHandler(handler)
         handler.close()
     name = "train.log" if rank == 0 else f"train_rank{rank}.log"
-    handlers: list[logging.Handler] = [logging.FileHandler(run_dir / name)]
+    handlers: list[logging.Handler] = [logging.FileHandler(run_dir / name)] if files else []
     if rank == 0:
         handlers.append(logging.StreamHandler(sys.stdout))
     formatter = logging.Formatter(LOG_FORMAT.replace("%(rank)s", str(rank)))

@@ -1,7 +1,11 @@
-"""Remember the last value of every logged metric and the best monitored one."""
+"""Remember the last value of every logged metric and the best monitored one
+(``MetricBook``), and average the training loss and the task's logs over a log
+window (``WindowMeans``)."""
 
 import math
 from typing import Any
+
+import torch
 
 from .config import ConfigError
 
@@ -63,3 +67,38 @@ class MetricBook:
         self.last_step = {k: int(v) for k, v in state["last_step"].items()}
         self.best_value = state["best_value"]
         self.best_step = state["best_step"]
+
+
+class WindowMeans:
+    """train/loss and the task's logs (task.loss's second value), summed on the device
+    per micro-batch (no host sync) and averaged over a log window across the ranks:
+    one all-reduce per log step, the loss's and the logs' together."""
+
+    def __init__(self, accelerator: Any) -> None:
+        self.accelerator = accelerator
+        self._names: list[str] = []
+        self._sums: torch.Tensor | None = None
+        self._count = 0
+
+    def add(self, loss: torch.Tensor, logs: dict[str, torch.Tensor]) -> None:
+        values = [loss.detach().float().reshape(())]
+        values += [torch.as_tensor(v).detach().float().reshape(()) for v in logs.values()]
+        stacked = torch.stack(values).to(self.accelerator.device)
+        if self._sums is None:
+            self._names, self._sums = ["loss", *logs], torch.zeros_like(stacked)
+        self._sums += stacked
+        self._count += 1
+
+    def means(self) -> dict[str, float]:
+        """The window's means, ``train/<name>``, then a new window. A collective:
+        every rank calls it at the same log step."""
+        if self._sums is None or not self._count:
+            return {}
+        total = self.accelerator.reduce(self._sums, "mean").tolist()
+        means = {
+            f"train/{name}": value / self._count
+            for name, value in zip(self._names, total, strict=True)
+        }
+        self._sums.zero_()
+        self._count = 0
+        return means

@@ -8,38 +8,29 @@ It holds ``.hydra/``, the resolved ``config.yaml`` and ``config.json``,
   launching process), the same on every rank, and ``slurm-<job id>`` in SLURM
   (stable across a requeue). ``runs_root`` is absolute (the project root's
   ``runs/`` by default), so a command finds its run from any directory.
-- ``claim`` decides, before anything is written, whether the directory is
-  new, this run (continue or resume it), a finished run (report, change
-  nothing) or another run's (refuse). A directory in use by a live run is
-  refused too (an flock on the directory, released when the process dies).
-- Only the global main process writes here.
+- ``run_name`` stays inside ``runs_root``; a launch stopped by bad input removes
+  the folders made for it (``made_by_this_launch``).
+- Whether the directory is new, this run, a finished run or another run's is
+  decided once per launch by claim.py. Only the global main process writes here.
 """
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
-import shutil
 import socket
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from accelerate import PartialState
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from .config import ConfigError, allowed_config_changes, config_differences
+from .config import ConfigError
 from .launch import global_rank, under_launcher
-from .logs import discard_run_logs, open_run_logs
-
-# What a directory may hold and still count as new: what a job that failed its
-# config checks leaves in a sweep (the sweep summary's record of it).
-LEFT_BY_A_FAILED_START = {".hydra", "job_status.json"}
 
 
 class RunDirError(ConfigError):
@@ -96,6 +87,14 @@ def hydra_run_dir() -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
+def hydra_run_dir_as_written() -> Path:
+    """The run dir as the config wrote it (``..`` kept: Hydra made each folder on the way)."""
+    hydra = HydraConfig.get()
+    if hydra.mode == RunMode.MULTIRUN:
+        return hydra_run_dir()
+    return Path(hydra.run.dir)
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write a file so that readers see the old one or the new one, never half."""
     tmp = path.with_name(f".{path.name}.tmp")
@@ -129,171 +128,60 @@ def uses_default_run_name(cfg: DictConfig) -> bool:
     return raw == "${default_run_name:}" and not chose_dir and not in_sweep()
 
 
-# --- claiming the directory ----------------------------------------------------------
-
-
-@dataclass
-class Claim:
-    """What ``claim`` found. ``kind``: new | continue | finished."""
-
-    run_dir: Path
-    kind: str
-    summary: dict[str, Any] | None = None
-    lock_fd: int | None = field(default=None, repr=False)
-
-    def discard(self) -> None:
-        """The run failed before training started (e.g. a model that cannot be
-        built): a directory this launch made is removed, nothing half-made stays."""
-        if self.kind == "new" and self.lock_fd is not None:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
-
-
-# What the launch's main process writes while it claims a new run dir, before
-# config.json: another process of the launch may look in the middle of it.
-CLAIM_FILES = {".hydra", "config.yaml", ".config.yaml.tmp", ".config.json.tmp", "train.log"}
-
-
-def inspect(
-    run_dir: Path, cfg: DictConfig, *, main: bool = True
-) -> tuple[str, dict[str, Any] | None]:
-    """Read-only: (kind, summary) of ``run_dir`` for this config. Raises
-    RunDirError for another run's directory. Every launching process asks; the
-    others (``main=False``) ask while the main process may be writing its claim,
-    so they count what it writes as nothing (a new run) and leave the
-    ``resume=never`` refusal to it (its config.json may be the one just written)."""
-    if not _holds_files(run_dir):
-        return "new", None
-    saved_path = run_dir / "config.json"
-    if not main and not saved_path.is_file() and {p.name for p in run_dir.iterdir()} <= CLAIM_FILES:
-        return "new", None  # the main process is claiming it right now
-    if not saved_path.is_file():
-        found = ", ".join(sorted(p.name for p in run_dir.iterdir())[:5])
-        raise RunDirError(
-            f"{run_dir} is not empty ({found}) but holds no run of this project "
-            "(no config.json): a new run does not write into it. Use another run_name "
-            "(or hydra.run.dir), or empty the directory"
+def check_run_name(cfg: DictConfig) -> None:
+    """``run_name`` names a directory inside ``runs_root`` (ConfigError, exit 2,
+    otherwise). ``hydra.run.dir`` may be anywhere: that is what it is for."""
+    name = str(cfg.get("run_name", ""))
+    parts = Path(name).parts
+    if not name or Path(name).is_absolute() or ".." in parts or name.startswith("~"):
+        raise ConfigError(
+            f"run_name={name!r} is not allowed: expected a name inside runs_root "
+            f"({cfg.get('runs_root')}), e.g. run_name=exp1 or run_name=team/exp1 (no '..', not "
+            "absolute; for a directory elsewhere use hydra.run.dir=DIR)"
         )
-    saved = json.loads(saved_path.read_text(encoding="utf-8"))
-    current = OmegaConf.to_container(cfg, resolve=True)
-    diffs = config_differences(saved, current, allowed_config_changes(current))
-    if diffs:
-        raise RunDirError(
-            f"{run_dir} holds another run (its config differs in "
-            + "; ".join(diffs[:6])
-            + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
-            + "): a new run does not write into it. Use another run_name (or hydra.run.dir) "
-            "for a new run, or put those keys back to continue that one"
-        )
-    if main and cfg.checkpoint.get("resume") == "never":
-        raise RunDirError(
-            f"checkpoint.resume=never, but {run_dir} already holds a run of this config: "
-            "starting over in it would mix two runs. Use another run_name (or hydra.run.dir), "
-            "or resume=auto to continue it"
-        )
-    summary = _read_json(run_dir / "summary.json")
-    if summary is None:
-        return "continue", None
-    length = ("max_steps", "max_epochs")
-    same_length = all(saved["trainer"].get(k) == current["trainer"].get(k) for k in length)
-    if same_length:
-        return "finished", summary
-    if not (cfg.checkpoint.get("enabled", False) and (run_dir / "checkpoints").is_dir()):
-        raise RunDirError(
-            f"{run_dir} holds a finished run without checkpoints (checkpoint=none), so it "
-            "cannot continue to the new trainer.max_steps/max_epochs: use another run_name"
-        )
-    return "continue", summary
 
 
-def _holds_files(run_dir: Path) -> bool:
-    """Any file in it (empty folders, e.g. a mount point for checkpoints, and
-    what a failed start leaves in a sweep do not count)."""
-    if not run_dir.is_dir():
-        return False
-    return any(
-        p.is_file()
-        for top in run_dir.iterdir()
-        if top.name not in LEFT_BY_A_FAILED_START
-        for p in ([top] if not top.is_dir() else top.rglob("*"))
-    )
+class NoteExistingFolders(Callback):
+    """A Hydra callback (configs/train.yaml): before Hydra makes the run dir, note which
+    folders on its way exist already, so that a launch stopped by bad input removes
+    exactly the ones made for it (``made_by_this_launch``) and nothing else."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            path = Path(str(config.hydra.run.dir))
+        except Exception:  # an interpolation that fails is reported by the run itself
+            return
+        _EXISTED.update(p for p in _on_the_way(path) if p.exists())
+        _NOTED.append(path)
 
 
-@contextlib.contextmanager
-def claim(run_dir: Path, cfg: DictConfig, raw: DictConfig | None = None) -> Iterator[Claim]:
-    """Decide about ``run_dir`` before anything is written (module docstring).
-
-    The launch's main process locks the directory for the whole run and, for a
-    new or continued run, writes ``.hydra/``, ``config.yaml`` and ``config.json``
-    and starts ``train.log``. A finished run is reported by the caller and
-    nothing in it changes. Raises RunDirError (exit 2) otherwise."""
-    main = is_launch_main(cfg)
-    lock_fd = None
-    try:
-        if main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            lock_fd = _lock(run_dir)
-        kind, summary = inspect(run_dir, cfg, main=main)
-        if main and kind != "finished":
-            save_resolved_config(cfg, run_dir, raw)
-            open_run_logs()
-        else:
-            discard_run_logs()  # a finished run's train.log stays as it was
-        yield Claim(run_dir, kind, summary, lock_fd)
-    except RunDirError:
-        discard_run_logs()
-        raise
-    finally:
-        if lock_fd is not None:
-            _unlock(lock_fd)
+_EXISTED: set[Path] = set()  # folders on the way to the run dir before Hydra made it
+_NOTED: list[Path] = []  # the run dirs noted (none: remove nothing)
 
 
-# The lock fds this process holds. A forked child (a DataLoader worker) inherits
-# them, and an flock lasts while any copy is open: after a kill -9 of the run,
-# its orphaned workers (they notice within ~5 s) would keep the directory
-# "in use" and refuse the resume. Forked children close their copies at once.
-_HELD: set[int] = set()
-_AT_FORK_REGISTERED = False
+def _on_the_way(path: Path) -> list[Path]:
+    """``path`` and its parents, each resolved, deepest first. ``..`` is kept as
+    written until resolved: Hydra's mkdir of runs/a/../../x makes runs/a too."""
+    lexical = Path.cwd() / path
+    found = {Path(os.path.realpath(p)) for p in [lexical, *lexical.parents]}
+    return sorted(found, key=lambda p: len(p.parts), reverse=True)
 
 
-def _close_inherited_locks() -> None:
-    for fd in _HELD:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    _HELD.clear()
-
-
-def _lock(run_dir: Path) -> int:
-    """An exclusive flock on the directory itself (no file added to it),
-    held until the process ends; another live launch of the same dir is refused."""
-    global _AT_FORK_REGISTERED
-    fd = os.open(run_dir, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise RunDirError(
-            f"{run_dir} is in use by another training process right now: wait for it, "
-            "or use another run_name (or hydra.run.dir)"
-        ) from None
-    if not _AT_FORK_REGISTERED:  # once per process (a hook cannot be unregistered)
-        os.register_at_fork(after_in_child=_close_inherited_locks)
-        _AT_FORK_REGISTERED = True
-    _HELD.add(fd)
-    return fd
-
-
-def _unlock(fd: int) -> None:
-    _HELD.discard(fd)
-    os.close(fd)  # releases the flock
-
-
-def save_resolved_config(cfg: DictConfig, run_dir: Path, raw: DictConfig | None = None) -> None:
-    """``.hydra/`` (Hydra's own files: ``hydra.output_subdir: null`` keeps Hydra
-    from writing them before the claim), ``config.yaml`` and ``config.json``."""
-    if HydraConfig.initialized():
-        save_hydra_files(run_dir, raw if raw is not None else cfg)
-    write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    write_json_atomic(run_dir / "config.json", OmegaConf.to_container(cfg, resolve=True))
+def made_by_this_launch(path: Path, *, remove: bool = False) -> list[Path]:
+    """The folders on ``path``'s way (``path`` first, then its parents) that did not
+    exist before Hydra made the run dir (``NoteExistingFolders``) and are empty now.
+    With ``remove``, remove them: a launch stopped by bad input leaves nothing on disk."""
+    if not _NOTED:
+        return []  # not noted (the callback is off): never guess
+    found = []
+    for directory in _on_the_way(path):
+        if directory in _EXISTED or not directory.is_dir() or any(directory.iterdir()):
+            continue
+        found.append(directory)
+        if remove:
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+    return found
 
 
 def save_hydra_files(run_dir: Path, task_cfg: DictConfig) -> None:
@@ -341,10 +229,3 @@ def check_shared_storage(run_dir: Path, accelerator: Any) -> None:
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
     if PartialState().is_main_process:
         write_json_atomic(run_dir / "summary.json", summary)
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None

@@ -19,6 +19,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
 from .. import task
+from .batch_means import loss_and_logs
 
 
 @dataclass
@@ -53,15 +54,15 @@ def optimizer_step(
     batch: Any,
     guard: Any,
     clip_norm: float | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
     """One micro-batch: loss (task.py), backward, the NaN guard; when the
     accumulation is complete also clipping, the optimizer step (unless the guard
-    drops it) and zero_grad. Returns (loss, grad norm or None). A collective
+    drops it) and zero_grad. Returns (loss, the task's logs, grad norm or None). A collective
     under DDP/FSDP: every rank calls it with its own batch."""
     model, optimizer = state.model, state.optimizer
     grad_norm = None
     with _accumulation(accelerator, model):
-        loss = task.loss(model=model, batch=batch)
+        loss, logs = loss_and_logs(task.loss(model=model, batch=batch))
         accelerator.backward(loss)
         guard.observe(loss)
         if accelerator.sync_gradients:
@@ -70,7 +71,7 @@ def optimizer_step(
             if guard.agree_on_update():  # on_nan=skip drops a non-finite update
                 optimizer.step()
             zero_grad(optimizer)
-    return loss, grad_norm
+    return loss, logs, grad_norm
 
 
 def _accumulation(accelerator: Any, model: torch.nn.Module) -> Any:

@@ -16,7 +16,6 @@ that run jobs in other processes must import it there.
 import csv
 import fcntl
 import io
-import json
 import logging
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +26,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from . import trust
 from .launch import global_rank
 from .pruning import is_pruned
 from .run_dir import RunDirError, save_hydra_files, write_json_atomic, write_text_atomic
@@ -174,9 +174,10 @@ def _varying_overrides(rows: list[dict[str, Any]]) -> set[str]:
 
 def _read_json(path: Path) -> dict | None:
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        found = trust.read_json(path)
+    except trust.Malformed:
         return None
+    return found if isinstance(found, dict) else None
 
 
 @contextmanager

@@ -5,7 +5,6 @@ MLflow's model). A missing optional package stops the run first, naming the
 install. README: "Experiment trackers".
 """
 
-import json
 import logging
 import os
 from importlib.util import find_spec
@@ -18,7 +17,9 @@ from accelerate.utils import DistributedType
 from omegaconf import DictConfig, OmegaConf
 
 from .. import task
+from . import trust
 from .checkpoint import committed_checkpoints
+from .checkpoint.format import check_trainer_state
 from .config import ConfigError
 from .trackers import (
     CSVTracker,
@@ -90,6 +91,49 @@ def readiness(cfg: DictConfig) -> tuple[str, str, str]:
     return "pass", detail, ""
 
 
+def check_reachable(cfg: DictConfig, timeout_s: float = 5.0) -> None:
+    """A tracker that sends to a server (MLflow with an http(s) tracking URI, W&B
+    online) must reach it: ConfigError (exit 2) in seconds, before the run dir is
+    claimed, instead of the client's own minutes of retries and a raw traceback."""
+    for name, settings in (cfg.tracker or {}).items():
+        settings = settings or {}
+        if name == "mlflow":
+            uri = settings.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI") or ""
+            key = "tracker.mlflow.tracking_uri"
+        elif name == "wandb" and (settings.get("mode") or os.environ.get("WANDB_MODE")) == "online":
+            uri, key = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"), "WANDB_BASE_URL"
+        else:
+            continue
+        if not str(uri).startswith(("http://", "https://")):
+            continue  # a local store: nothing to reach
+        problem = _unreachable(str(uri), timeout_s)
+        if problem:
+            raise ConfigError(
+                f"{key}={uri!r} is not reachable ({problem}): start the server or fix the "
+                "address"
+                + (
+                    ", or use a local store (tracker.mlflow.tracking_uri=null)"
+                    if name == "mlflow"
+                    else ", or run offline (WANDB_MODE=offline)"
+                )
+            )
+
+
+def _unreachable(uri: str, timeout_s: float) -> str | None:
+    """None when a TCP connection to the URI's host and port opens within the
+    timeout, else why not (any HTTP answer, even an error status, means reachable)."""
+    import socket
+    from urllib.parse import urlparse
+
+    parsed = urlparse(uri)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.hostname or "", port), timeout=timeout_s):
+            return None
+    except OSError as err:
+        return err.strerror or type(err).__name__
+
+
 # --- building, resuming -------------------------------------------------------------
 
 
@@ -133,10 +177,10 @@ def _resume_point(cfg: DictConfig, run_dir: Path) -> tuple[dict[str, str], int]:
         return {}, 0
     for ckpt in reversed(committed_checkpoints(run_dir / "checkpoints")):
         try:
-            state = json.loads((ckpt / "trainer_state.json").read_text(encoding="utf-8"))
-            return dict(state.get("tracker_run_ids") or {}), int(state["step"])
-        except (OSError, ValueError, KeyError, TypeError):
+            state = check_trainer_state(trust.read_json(ckpt / "trainer_state.json"))
+        except (trust.Malformed, ValueError, KeyError, TypeError):
             continue
+        return dict(state.get("tracker_run_ids") or {}), state["step"]
     return {}, 0
 
 

@@ -10,18 +10,18 @@ README: "Checkpoints and resuming".
 """
 
 import argparse
-import json
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
+from ..config import ConfigError
 from . import sharded
-from .folder import find_checkpoints
+from .export_hf import export_hf
+from .folder import find_checkpoints, read_pointer
 from .format import (
     CheckpointError,
-    parse_file,
+    check_content,
     read_manifest,
     verify_checkpoint,
     verify_files,
@@ -47,11 +47,15 @@ def _cli_list(path: Path) -> int:
     print(f"{'checkpoint':<16} {'step':>8} {'epoch':>6} {'size MB':>8}  status  metrics")
     for ckpt in ckpts:
         problem = verify_checkpoint(ckpt)
-        size = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file()) / 2**20
+        size = sum(os.lstat(f"{top}/{n}").st_size for top, _, names in os.walk(ckpt) for n in names)
+        size /= 2**20
         try:
             manifest = read_manifest(ckpt)
             step, epoch = manifest["step"], manifest["epoch"] + 1
-            metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(manifest["metrics"].items()))
+            metrics = " ".join(
+                f"{k}={v:.4g}" if isinstance(v, int | float) else f"{k}={v!r:.20}"
+                for k, v in sorted(manifest["metrics"].items())
+            )
         except CheckpointError:
             step, epoch, metrics = "?", "?", ""
         status = "valid" if problem is None else "INVALID"
@@ -79,50 +83,36 @@ def _cli_verify(path: Path) -> int:
 
 
 def _best(path: Path) -> list[Path]:
-    """The checkpoint ``best.json`` of a run dir or checkpoints dir names."""
+    """The checkpoint ``best.json`` of a run dir or checkpoints dir names (one of
+    the same folder: folder.read_pointer)."""
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     try:
-        return [root / json.loads((root / "best.json").read_text())["path"]]
-    except (OSError, ValueError, KeyError) as err:
-        print(f"--best: no readable best.json in {root} ({err})", file=sys.stderr)
+        return [read_pointer(root, "best.json")]
+    except CheckpointError as err:
+        print(f"--best: {err}", file=sys.stderr)
         return []
 
 
-def _consolidate(ckpt: Path, tmp: Path) -> None:
-    """The model shards of a sharded checkpoint as one safetensors file, written
-    tensor by tensor from the shards' headers (DCP's consolidation: no full
-    state in memory; the shards were hashed and their headers checked first)."""
-    from safetensors import safe_open
-    from torch.distributed.checkpoint._consolidate_hf_safetensors import (
-        consolidate_safetensors_files,
-    )
-
-    shards = ckpt / sharded.MODEL_DIR
-    names: set[str] = set()
-    for shard in shards.glob("*.safetensors"):
-        with safe_open(str(shard), framework="pt") as f:
-            names.update(f.keys())
-    with tempfile.TemporaryDirectory(dir=tmp.parent) as folder:
-        consolidate_safetensors_files(str(shards), folder, dict.fromkeys(sorted(names), 1))
-        os.replace(Path(folder) / "model-00001-of-00001.safetensors", tmp)
-
-
-def _cli_export(path: Path, out: Path, best: bool) -> int:
+def _cli_export(path: Path, out: Path, best: bool, form: str, trusted: list[str]) -> int:
     for ckpt in reversed(_best(path) if best else _resolve_many(path)):  # the newest valid one
-        try:
+        try:  # the whole checkpoint, as every reader checks it (format.check_content)
             layout = read_manifest(ckpt).get("layout", "full")
-            if layout == "sharded":
-                names = [n for n in read_manifest(ckpt)["files"] if n.startswith("model/")]
-                verify_files(ckpt, names, parse=lambda _n, p: sharded.check_shard(p))
-            else:
-                verify_files(ckpt, ["model.safetensors"], parse=parse_file)
+            verify_files(ckpt, parse=check_content)
         except CheckpointError as err:
             print(f"skipping {ckpt}: {err}", file=sys.stderr)
             continue
+        if form == "hf":
+            try:
+                export_hf(ckpt, out, trusted=trusted)
+            except ConfigError as err:
+                print(f"error: {err}", file=sys.stderr)
+                return 2
+            print(f"exported {ckpt} -> {out} (transformers: from_pretrained({str(out)!r}))")
+            return 0
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f".{out.name}.tmp")
         if layout == "sharded":
-            _consolidate(ckpt, tmp)
+            sharded.consolidate(ckpt, tmp)
         else:
             shutil.copyfile(ckpt / "model.safetensors", tmp)
         with open(tmp, "rb+") as f:
@@ -149,14 +139,34 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(command, help=text)
         p.add_argument("path", type=Path, help="a run dir, its checkpoints/ or one checkpoint")
         if command == "export":
-            p.add_argument("-o", "--output", type=Path, default=Path("model.safetensors"))
+            p.add_argument(
+                "-o",
+                "--output",
+                type=Path,
+                default=None,
+                help="default: model.safetensors (--format safetensors), hf-model/ (--format hf)",
+            )
             p.add_argument("--best", action="store_true", help="the checkpoint best.json names")
+            p.add_argument(
+                "--format",
+                choices=("safetensors", "hf"),
+                default="safetensors",
+                help="one model.safetensors, or a transformers directory (model=hf)",
+            )
+            p.add_argument(
+                "--trust",
+                action="append",
+                default=[],
+                metavar="MODULE",
+                help="a module besides this project's the run's config may name",
+            )
     args = parser.parse_args(argv)
     if args.command == "list":
         return _cli_list(args.path)
     if args.command == "verify":
         return _cli_verify(args.path)
-    return _cli_export(args.path, args.output, args.best)
+    out = args.output or Path("hf-model" if args.format == "hf" else "model.safetensors")
+    return _cli_export(args.path, out, args.best, args.format, args.trust)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import trust
 from ..run_dir import write_json_atomic
 from . import format as fmt  # fmt.pause_point is replaced by the fault-injection tests
 
@@ -30,11 +31,29 @@ def step_of(path: Path) -> int | None:
 
 
 def committed_checkpoints(root: Path) -> list[Path]:
-    """``step_*`` folders in ``root`` (no ``*.tmp``), oldest first."""
+    """``step_*`` folders in ``root`` (no ``*.tmp``), oldest first. A symlink named
+    like one is listed too: reading it fails (format.read_manifest), which reports
+    it and falls back, rather than hiding it."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None]
+    found = [p for p in root.iterdir() if step_of(p) is not None and (p.is_dir() or p.is_symlink())]
     return sorted(found, key=step_of)
+
+
+def read_pointer(root: Path, name: str) -> Path:
+    """The checkpoint a pointer (``latest.json``, ``best.json``) of ``root`` names:
+    a ``step_*`` entry of the same ``root``, nothing else (no path, no ``..``).
+    CheckpointError when the pointer is missing or says anything else."""
+    path = root / name
+    try:
+        target = trust.inside(trust.read_json(path, max_bytes=1 << 16)["path"], root)
+    except (trust.Malformed, KeyError, TypeError) as err:
+        raise fmt.CheckpointError(
+            f"{path}: not a pointer to a checkpoint of {root} ({err})"
+        ) from err
+    if step_of(target) is None:
+        raise fmt.CheckpointError(f"{path}: names {target.name!r}, not a step_* checkpoint")
+    return target
 
 
 def find_checkpoints(path: Path) -> list[Path]:
@@ -87,7 +106,7 @@ def remove_stale_tmp(root: Path) -> list[Path]:
     removed = []
     for path in root.glob("*.tmp"):
         removed.append(path)
-        if path.is_dir():
+        if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)

@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import load_file as load_safetensors_file
 
 # Re-exported: callers name them as format's (fmt.HASH, fmt.file_entry, fmt.sha256).
+from .. import trust
 from .checksums import (  # noqa: F401
     HASH,
     HASHES,
@@ -115,10 +116,11 @@ def bad_name(name: str) -> bool:
 
 
 def listing(ckpt: Path) -> list[str]:
-    """Every file of a checkpoint by manifest name (shard folders included)."""
+    """Every entry of a checkpoint by manifest name (shard folders included), symlinks
+    listed, never followed: a symlinked shard folder is one (bad) entry."""
     names = []
     for p in ckpt.iterdir():
-        if p.is_dir() and p.name in SHARD_DIRS:
+        if p.name in SHARD_DIRS and trust.real_dir(p):
             names += [f"{p.name}/{q.name}" for q in p.iterdir()]
         else:
             names.append(p.name)
@@ -142,20 +144,20 @@ def versions() -> dict[str, str]:
 
 
 def read_manifest(ckpt: Path) -> dict[str, Any]:
+    """MANIFEST.json of ``ckpt``, read bounded and checked against what a manifest
+    holds (``check_manifest``); CheckpointError (corrupt) otherwise."""
+    if not trust.real_dir(ckpt):
+        raise CheckpointError(f"{ckpt}: not a checkpoint folder (missing, or a symlink)")
     path = ckpt / MANIFEST
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise CheckpointError(f"{path}: missing (an incomplete checkpoint)")
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-        files = manifest["files"]
-        assert isinstance(files, dict) and all(isinstance(v["size"], int) for v in files.values())
-        for entry in files.values():
-            entry_hash(entry)
-        int(manifest["step"])
-    except (ValueError, KeyError, TypeError, AssertionError) as err:
-        raise CheckpointError(f"{path}: not a valid manifest ({err!r})") from err
+        manifest = check_manifest(trust.read_json(path))
+    except (trust.Malformed, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path}: not a valid manifest ({err})") from err
     sharded = manifest.get("layout") == "sharded"
     required = SHARDED_REQUIRED_FILES if sharded else REQUIRED_FILES
+    files = manifest["files"]
     missing = [name for name in required if name not in files]
     if sharded and not any(name.startswith("model/") for name in files):
         missing.append("model/ shard")
@@ -164,14 +166,75 @@ def read_manifest(ckpt: Path) -> dict[str, Any]:
     return manifest
 
 
+def check_manifest(manifest: Any) -> dict[str, Any]:
+    """What the rest of the code reads from a manifest, checked (ValueError otherwise):
+    every file entry a plain name with a size and one known checksum, and the
+    position and world as integers."""
+    _require(isinstance(manifest, dict), "not an object")
+    files = manifest["files"]
+    _require(isinstance(files, dict), "files is not an object")
+    for name, entry in files.items():
+        _require(not bad_name(name), f"bad file name {name!r}")
+        _require(isinstance(entry, dict) and _is_count(entry.get("size")), f"{name}: no size")
+        entry_hash(entry)
+    for key in ("step", "epoch", "batch"):
+        _require(_is_count(manifest.get(key, 0)), f"{key} is not an integer >= 0")
+    for key in ("world_size", "grad_accum_steps"):
+        _require(_is_count(manifest.get(key, 1)) and manifest.get(key, 1) >= 1, f"bad {key}")
+    _require(manifest.get("layout", "full") in ("full", "sharded"), "unknown layout")
+    _require(isinstance(manifest.get("metrics", {}), dict), "metrics is not an object")
+    return manifest
+
+
+def check_trainer_state(state: Any) -> dict[str, Any]:
+    """trainer_state.json: the position as integers, the extras' states as objects."""
+    _require(isinstance(state, dict), "not an object")
+    for key in ("step", "epoch", "batch"):
+        _require(_is_count(state.get(key)), f"{key} is not an integer >= 0")
+    for key in ("batches_per_epoch", "samples_in_epoch"):
+        _require(state.get(key) is None or _is_count(state[key]), f"{key} is not an integer")
+    _require(isinstance(state.get("stateful", {}), dict), "stateful is not an object")
+    _require(
+        all(isinstance(v, dict) for v in state.get("stateful", {}).values()),
+        "a stateful extra's state is not an object",
+    )
+    ids = state.get("tracker_run_ids") or {}
+    _require(isinstance(ids, dict) and all(isinstance(v, str) for v in ids.values()), "run ids")
+    best = state.get("best_checkpoint")
+    _require(best is None or (isinstance(best, dict) and _is_count(best.get("step"))), "best")
+    return state
+
+
+def check_object(value: Any) -> dict[str, Any]:
+    _require(isinstance(value, dict), "not an object")
+    return value
+
+
+# What each JSON file of a checkpoint must hold (checked when parsed).
+JSON_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "trainer_state.json": check_trainer_state,
+    "config.json": check_object,
+    "optimizer_groups.json": check_object,
+}
+
+
+def _require(ok: bool, problem: str) -> None:
+    if not ok:
+        raise ValueError(problem)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _size_checked(ckpt: Path, name: str, expected: dict[str, Any]) -> Path:
     path = ckpt / name
     if bad_name(name):
         raise CheckpointError(f"{ckpt / MANIFEST}: bad file name {name!r}")
     try:
-        size = path.stat().st_size
-    except OSError as err:
-        raise CheckpointError(f"{path}: cannot be read ({err.strerror})") from err
+        size = trust.regular_file(path).stat().st_size
+    except trust.Malformed as err:
+        raise CheckpointError(str(err)) from err
     if size != expected["size"]:
         raise CheckpointError(
             f"{path}: {size} bytes, the manifest says {expected['size']} (truncated?)"
@@ -217,6 +280,8 @@ def verify_files(
     if extra:
         raise CheckpointError(f"{ckpt}: files not in the manifest: {', '.join(extra)}")
     wanted = list(files) if names is None else [n for n in names if n in files]
+    for name in wanted:  # every one a regular file of its size before any is opened
+        _size_checked(ckpt, name, files[name])
     parsed: dict[str, Any] = {}
     parse_error: CheckpointError | None = None
     checks = [threads("hash").submit(_check_file, ckpt, n, files[n]) for n in wanted]
@@ -234,12 +299,36 @@ def verify_files(
 
 
 def verify_checkpoint(ckpt: Path) -> str | None:
-    """None when valid, else the reason (naming the file)."""
+    """None when valid, else the reason (naming the file): every file's size and
+    checksum, and what every reader checks of its content (``check_content``)."""
     try:
-        verify_files(ckpt)
+        verify_files(ckpt, parse=check_content)
     except CheckpointError as err:
         return str(err)
     return None
+
+
+def check_content(name: str, path: Path) -> None:
+    """What makes a checkpoint valid beyond its checksums, the same for every reader
+    (resume, eval, load_model, the CLI): its JSON files parse and hold what they
+    must (JSON_CHECKS), its safetensors headers parse. Pickled files are checked
+    when loaded (weights_only)."""
+    if name.endswith(".json"):
+        parse_file(name, path)
+    elif name.endswith(".safetensors"):
+        check_safetensors_header(path)
+
+
+def check_safetensors_header(path: Path) -> None:
+    """The header parses (JSON; no tensor is read). Anything else in its place (a
+    pickle, a header claiming more bytes than the file has) is refused here."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except Exception as err:  # safetensors raises its own error types
+        raise CheckpointError(f"{path}: refused: not a safetensors file ({err})") from err
 
 
 def load_tensors_safely(source: Path | bytes, name: str) -> Any:
@@ -288,11 +377,13 @@ def _owned(tree: Any) -> Any:
 
 def parse_file(name: str, path: Path) -> Any:
     """A checkpoint file as Python data: safetensors, weights-only torch, JSON."""
+    if name.endswith(".safetensors"):
+        check_safetensors_header(path)  # the same refusal as every other reader's
     try:
         if name.endswith(".safetensors"):
             return load_safetensors_file(path)  # memory-mapped; load_state_dict copies
         if name.endswith(".json"):
-            return json.loads(path.read_text(encoding="utf-8"))
+            return JSON_CHECKS.get(Path(name).name, lambda data: data)(trust.read_json(path))
     except Exception as err:  # safetensors raises its own error types
         raise CheckpointError(f"{path}: unreadable ({err})") from err
     return load_tensors_safely(path, str(path))

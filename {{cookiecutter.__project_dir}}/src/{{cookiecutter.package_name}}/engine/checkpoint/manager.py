@@ -146,8 +146,15 @@ class CheckpointManager:
         for ckpt in reversed(candidates):  # newest first
             try:
                 position = self.load(ckpt)
-            except ConfigMismatch:
-                raise
+            except ConfigMismatch as err:
+                # Another run's checkpoint (checkpoint.resume=PATH): no fallback fixes that.
+                # One of this run's own that disagrees with the run (its config.json was
+                # checked at the claim) is corrupt: the previous one is tried.
+                if not ckpt.resolve().is_relative_to(self.dir.resolve()):
+                    raise
+                log.warning(f"skipping checkpoint {ckpt}: {err}")
+                problems.append(str(err))
+                continue
             except CheckpointError as err:
                 log.warning(f"skipping checkpoint {ckpt}: {err}")
                 problems.append(str(err))

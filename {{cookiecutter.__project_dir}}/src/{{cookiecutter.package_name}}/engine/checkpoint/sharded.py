@@ -14,6 +14,8 @@ README: "Checkpoints and resuming".
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -119,23 +121,12 @@ def is_shard(name: str) -> bool:
 
 
 def parse(name: str, path: Path) -> Any:
-    """``format.parse_file``, except that shards are only checked (DCP reads them)."""
+    """``format.parse_file``, except that shards are only checked (DCP reads them):
+    before any live object is touched, anything else in a shard's place (e.g. a
+    pickle) is refused and never opened otherwise."""
     from . import format as fmt
 
-    return check_shard(path) if is_shard(name) else fmt.parse_file(name, path)
-
-
-def check_shard(path: Path) -> None:
-    """A shard's safetensors header parses (JSON; no tensor is read): checked
-    before any live object is touched. Anything else in a shard's place (e.g.
-    a pickle) is refused here and never opened otherwise."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            f.keys()
-    except Exception as err:  # safetensors raises its own error types
-        raise CheckpointError(f"{path}: refused: not a safetensors shard ({err})") from err
+    return fmt.check_safetensors_header(path) if is_shard(name) else fmt.parse_file(name, path)
 
 
 def load(
@@ -167,3 +158,22 @@ def load(
     except CheckpointException as err:  # a BaseException: the caller sees a RuntimeError
         raise RuntimeError(f"the shards do not fit this model: {err}") from err
     set_optimizer_state_dict(plain, inner, {**optim_tensors, **plain_values}, options=_options())
+
+
+def consolidate(ckpt: Path, tmp: Path) -> None:
+    """The model shards of a sharded checkpoint as one safetensors file, written
+    tensor by tensor from the shards' headers (DCP's consolidation: no full
+    state in memory; the shards were hashed and their headers checked first)."""
+    from safetensors import safe_open
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+        consolidate_safetensors_files,
+    )
+
+    shards = ckpt / MODEL_DIR
+    names: set[str] = set()
+    for shard in shards.glob("*.safetensors"):
+        with safe_open(str(shard), framework="pt") as f:
+            names.update(f.keys())
+    with tempfile.TemporaryDirectory(dir=tmp.parent) as folder:
+        consolidate_safetensors_files(str(shards), folder, dict.fromkeys(sorted(names), 1))
+        os.replace(Path(folder) / "model-00001-of-00001.safetensors", tmp)

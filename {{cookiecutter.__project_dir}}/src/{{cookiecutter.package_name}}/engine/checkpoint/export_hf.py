@@ -1,0 +1,72 @@
+"""``export --format hf``: a checkpoint of a transformers model (model=hf, or a model of
+yours that is a ``PreTrainedModel``) as a directory that ``from_pretrained`` reads:
+``config.json``, ``model.safetensors`` (shards and ``model.safetensors.index.json``
+above ``max_shard_size``) and, when the run had one, the tokenizer (docs/hf.md).
+
+transformers writes the directory itself (``save_pretrained``: its own names, tied
+weights stored once); the model is built on the meta device from the run's config,
+which may only name targets this project trusts (trust.py), so no weights are
+allocated twice.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from ..config import ConfigError, instantiate
+from ..inference import trusted_config
+from ..tokenizer import load_tokenizer, save_for_transformers
+from . import format as fmt
+from . import sharded
+
+
+def export_hf(ckpt: Path, out: Path, *, trusted: Any = (), max_shard_size: str = "5GB") -> None:
+    """Write ``out`` (replaced whole, never half-written) from the verified ``ckpt``."""
+    config = trusted_config(
+        fmt.parse_file("config.json", ckpt / "config.json"),
+        ("model", "data"),
+        trusted=trusted,
+        where=str(ckpt / "config.json"),
+    )
+    with torch.device("meta"):
+        model = instantiate(OmegaConf.create(config["model"]), what="model")
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise ConfigError(
+            f"--format hf needs a transformers model (model=hf); {ckpt}'s model is "
+            f"{type(model).__name__}: export --format safetensors instead"
+        )
+    state = model_state(ckpt)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, state_dict=state, max_shard_size=max_shard_size)
+        data = config.get("data") or {}
+        if "tokenizer" in data:  # data=text: its tokenizer file, or bytes
+            tokenizer = load_tokenizer(data["tokenizer"], data.get("eos_token", "<|endoftext|>"))
+            save_for_transformers(tokenizer, tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def model_state(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The full model state of a checkpoint (a sharded one consolidated first)."""
+    from safetensors.torch import load_file
+
+    if fmt.read_manifest(ckpt).get("layout") != "sharded":
+        return load_file(ckpt / "model.safetensors")
+    with tempfile.TemporaryDirectory() as folder:
+        whole = Path(folder) / "model.safetensors"
+        sharded.consolidate(ckpt, whole)
+        return load_file(whole)
