@@ -40,6 +40,7 @@ from {{ cookiecutter.package_name }}.engine.debug import Debug
 from {{ cookiecutter.package_name }}.engine.early_stopping import EarlyStopping
 from {{ cookiecutter.package_name }}.engine.ema import WeightAverage, metric_names
 from {{ cookiecutter.package_name }}.engine.finetune import init_from
+from {{ cookiecutter.package_name }}.engine.fsdp import shard_model
 from {{ cookiecutter.package_name }}.engine.launch import LaunchError, run, spans_nodes
 from {{ cookiecutter.package_name }}.engine.loaders import batches_per_epoch, continue_epoch, run_length
 from {{ cookiecutter.package_name }}.engine.logs import setup_rank_logging
@@ -88,6 +89,9 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
         model = instantiate(cfg.model, what="model")
     # checkpoint.init_from: a new run starting from another run's weights (fine-tuning)
     fine_tuned = init_from(cfg.checkpoint, model=model)
+    # parallel=fsdp: each repeated block its own FSDP unit, then the root (else a no-op);
+    # before the optimizer, which then holds the sharded parameters
+    model = shard_model(model, accelerator=accelerator, parallel=cfg.parallel)
     optimizer = instantiate(cfg.optimizer, what="optimizer")(model.parameters())
     # samples/s, tokens/s and MFU for the logs (before prepare() wraps the model)
     throughput = Throughput(
