@@ -33,6 +33,20 @@ def batch_size(*, batch: Any) -> tuple[int, int | None]:
     return len(y), (y.numel() if y.dim() > 1 else None)
 
 
+def logits(output: Any) -> torch.Tensor:
+    """The model's scores: its output tensor, or the ``.logits`` of an output object
+    (a Hugging Face ``transformers`` model returns a ``ModelOutput``)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    found = getattr(output, "logits", None)
+    if isinstance(found, torch.Tensor):
+        return found
+    raise TypeError(
+        f"the model returned {type(output).__name__}: expected a tensor of logits "
+        "(batch, ..., classes) or an object with a .logits tensor (transformers' ModelOutput)"
+    )
+
+
 def cross_entropy(logits: torch.Tensor, y: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     """Class labels (batch,) or token targets (batch, positions): both flatten
     to rows of logits."""
@@ -41,13 +55,13 @@ def cross_entropy(logits: torch.Tensor, y: torch.Tensor, **kwargs: Any) -> torch
 
 def loss(*, model: torch.nn.Module, batch: Any) -> torch.Tensor:
     """The training objective of one micro-batch of the train loader."""
-    return cross_entropy(model(inputs(batch=batch)), targets(batch=batch))
+    return cross_entropy(logits(model(inputs(batch=batch))), targets(batch=batch))
 
 
 def predict(*, model: torch.nn.Module, batch: Any) -> torch.Tensor:
     """What predict.py writes per sample: the most likely class (per position
     for token targets)."""
-    return model(inputs(batch=batch)).argmax(dim=-1)
+    return logits(model(inputs(batch=batch))).argmax(dim=-1)
 
 
 @torch.no_grad()
@@ -58,10 +72,10 @@ def evaluate(*, model: torch.nn.Module, loader: Any, accelerator: Any) -> dict[s
     correct = torch.zeros((), device=accelerator.device)
     count = torch.zeros((), device=accelerator.device)
     for batch in loader:
-        logits = model(inputs(batch=batch))
-        logits, y = accelerator.gather_for_metrics((logits, targets(batch=batch)))
-        loss_sum += cross_entropy(logits.float(), y, reduction="sum")
-        correct += (logits.argmax(dim=-1) == y).sum()
+        scores = logits(model(inputs(batch=batch)))
+        scores, y = accelerator.gather_for_metrics((scores, targets(batch=batch)))
+        loss_sum += cross_entropy(scores.float(), y, reduction="sum")
+        correct += (scores.argmax(dim=-1) == y).sum()
         count += y.numel()
     model.train()
     metrics = {"val/loss": (loss_sum / count).item(), "val/acc": (correct / count).item()}
