@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from .checkpoint import folder
+from .checkpoint import folder, ties
 from .checkpoint import format as fmt
 from .checkpoint.format import CheckpointError
 from .config import ConfigError, instantiate, require
@@ -85,8 +85,8 @@ def read_weights(ckpt: Path, weights: str = "raw") -> tuple[dict[str, torch.Tens
             f"{ckpt} holds no EMA weights (trained without trainer.ema.enabled=true): "
             "use weights=raw"
         )
-    loaded = fmt.verify_files(ckpt, [name, "config.json"], parse=fmt.parse_file)
-    state = loaded[name]
+    loaded = fmt.verify_files(ckpt, [name, "config.json", ties.TIES_FILE], parse=fmt.parse_file)
+    state = ties.restore(loaded[name], ties.of_checkpoint(loaded, ckpt))  # tied: stored once
     if weights == "ema":  # torch.optim.swa_utils.AveragedModel's keys: module.* + n_averaged
         state = {k.removeprefix("module."): v for k, v in state.items() if k != "n_averaged"}
     return state, loaded["config.json"]

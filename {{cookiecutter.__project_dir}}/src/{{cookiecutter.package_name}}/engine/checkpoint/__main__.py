@@ -4,7 +4,9 @@ inspect checkpoints.
     list   RUN_DIR|CHECKPOINTS_DIR|CHECKPOINT   step, epoch, size, validity, metrics
     verify PATH                                 every file's size and checksum; exit 1 if invalid
     export PATH [-o model.safetensors] [--best] the newest (or the best) valid checkpoint's
-                                                weights; a sharded one streamed into one file
+                                                weights; a sharded one streamed into one file;
+                                                tied weights once, named in its metadata
+                                                (checkpoint/ties.py: load_file)
 
 README: "Checkpoints and resuming".
 """
@@ -17,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import sharded
+from . import sharded, ties
 from .folder import find_checkpoints
 from .format import (
     CheckpointError,
@@ -116,13 +118,22 @@ def _cli_export(path: Path, out: Path, best: bool) -> int:
                 verify_files(ckpt, names, parse=lambda _n, p: sharded.check_shard(p))
             else:
                 verify_files(ckpt, ["model.safetensors"], parse=parse_file)
+            # tied weights are stored once; the export names them in its metadata
+            tied = ties.of_checkpoint(verify_files(ckpt, [ties.TIES_FILE], parse=parse_file), ckpt)
         except CheckpointError as err:
             print(f"skipping {ckpt}: {err}", file=sys.stderr)
             continue
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f".{out.name}.tmp")
-        if layout == "sharded":
+        if layout == "sharded" and tied:
+            staged = tmp.with_name(f"{tmp.name}.consolidated")
+            _consolidate(ckpt, staged)
+            ties.with_metadata(staged, tmp, tied)
+            staged.unlink()
+        elif layout == "sharded":
             _consolidate(ckpt, tmp)
+        elif tied:
+            ties.with_metadata(ckpt / "model.safetensors", tmp, tied)
         else:
             shutil.copyfile(ckpt / "model.safetensors", tmp)
         with open(tmp, "rb+") as f:
