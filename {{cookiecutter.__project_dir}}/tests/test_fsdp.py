@@ -262,8 +262,8 @@ def test_multi_node_defaults_train_the_gpt_example(tmp_path, compose_cfg):
 def test_hugging_face_gpt2_trains_resumes_and_exports_under_fsdp(tmp_path):
     """A tied GPT-2 under 2-process FSDP: per-block units, the loss falls, the tie
     stored once in the sharded checkpoint; kill -9 then resume is bit-exact;
-    resuming 2 -> 1 -> 2 processes works; the export is the gathered state,
-    and loads into a fresh model with its tie intact."""
+    resuming 2 -> 1 -> 2 processes -> no FSDP works through both formats; each
+    export is the gathered state and loads into a fresh model with its tie intact."""
     needs_transformers()
     args = ["parallel=fsdp", *HF, *QUIET, "checkpoint.every_n_steps=4", "trainer.max_steps=12"]
     straight = tmp_path / "straight"
@@ -287,14 +287,7 @@ def test_hugging_face_gpt2_trains_resumes_and_exports_under_fsdp(tmp_path):
         assert "transformer.wte.weight" in keys and "lm_head.weight" not in keys
 
     # Export: the gathered weights (run_dir/model.safetensors holds them), tie intact.
-    out = tmp_path / "export.safetensors"
-    assert checkpoint_cli(["export", str(straight), "-o", str(out)]) == 0
-    exported, final = ties.load_file(out), ties.load_file(straight / "model.safetensors")
-    assert exported.keys() == final.keys() and "lm_head.weight" in exported
-    assert all(torch.equal(exported[k], final[k]) for k in final)
-    fresh = gpt2(vocab_size=32, seq_len=16)
-    fresh.load_state_dict(exported)
-    assert fresh.lm_head.weight is fresh.transformer.wte.weight
+    assert_export_is_the_final_weights(straight, tmp_path / "straight.safetensors")
 
     # kill -9 while step 8 is being committed: the same command resumes from step 4.
     killed = tmp_path / "killed"
@@ -313,20 +306,47 @@ def test_hugging_face_gpt2_trains_resumes_and_exports_under_fsdp(tmp_path):
     assert "resumed from" in out_text and "step_0000004: step 4" in out_text
     assert fingerprints(killed) == expected  # bit-exact
 
-    # 2 -> 1 (FSDP on one process) from step 8, then 1 -> 2 from its step 12.
+    # 2 -> 1 (FSDP on one process, full checkpoints) from step 8, 1 -> 2 from its step
+    # 12 (sharded again), then to one process without FSDP: the tie in every format.
     one = tmp_path / "one"
     resume = f"checkpoint.resume={straight / 'checkpoints' / 'step_0000008'}"
-    train(one, *args, "parallel.num_processes=1", resume)
+    train(one, *args, "parallel.num_processes=1", "checkpoint.format=full", resume)
     summary = json.loads((one / "summary.json").read_text())
     assert summary["world_size"] == 1 and summary["step"] == 12
     assert "world size 1 (FSDP)" in (one / "train.log").read_text()
     assert abs(losses(one)[12] - steps[12]) < 1e-4  # the same batches, another reduction order
+    full = one / "checkpoints" / "step_0000012"
+    assert ties.TIES_FILE in json.loads((full / "MANIFEST.json").read_text())["files"]
+    with safe_open(str(full / "model.safetensors"), framework="pt") as f:
+        assert "lm_head.weight" not in f.keys()  # noqa: SIM118 (not a dict)
+    assert_export_is_the_final_weights(one, tmp_path / "one.safetensors")
     two = tmp_path / "two"
-    resume = f"checkpoint.resume={one / 'checkpoints' / 'step_0000012'}"
-    train(two, *args, "trainer.max_steps=16", resume)
+    train(two, *args, "trainer.max_steps=16", f"checkpoint.resume={full}")
     summary = json.loads((two / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["step"] == 16
     assert summary["resumed_from"].endswith("step_0000012")
+    plain = tmp_path / "plain"
+    resume = f"checkpoint.resume={two / 'checkpoints' / 'step_0000016'}"
+    train(plain, *args, "parallel=none", "trainer.max_steps=18", resume)
+    assert json.loads((plain / "summary.json").read_text())["step"] == 18
+    assert_export_is_the_final_weights(plain, tmp_path / "plain.safetensors")
+
+
+def assert_export_is_the_final_weights(run_dir: Path, out: Path) -> None:
+    """The newest checkpoint exported equals the run's gathered final weights, and
+    loads strictly into a fresh GPT-2 with its tie intact."""
+    assert checkpoint_cli(["export", str(run_dir), "-o", str(out)]) == 0
+    with safe_open(str(out), framework="pt") as f:
+        assert json.loads(f.metadata()[ties.METADATA_KEY]) == {
+            "lm_head.weight": "transformer.wte.weight"
+        }
+    exported, final = ties.load_file(out), ties.load_file(run_dir / "model.safetensors")
+    assert exported.keys() == final.keys() and "lm_head.weight" in exported
+    assert all(torch.equal(exported[k], final[k]) for k in final)
+    fresh = gpt2(vocab_size=32, seq_len=16)
+    fresh.load_state_dict(exported)
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight
+    assert torch.equal(fresh.lm_head.weight, final["transformer.wte.weight"])
 
 
 @pytest.mark.multiprocess

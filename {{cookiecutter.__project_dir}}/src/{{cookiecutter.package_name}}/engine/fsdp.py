@@ -280,7 +280,7 @@ def shard_model(model: nn.Module, *, accelerator: Any, parallel: Any) -> nn.Modu
 
 
 def _dtype(dtype: torch.dtype | None) -> str:
-    return "fp32" if dtype in (None, torch.float32) else str(dtype).removeprefix("torch.")
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
 
 
 def one_process_group(backend: str, timeout_s: float) -> None:
