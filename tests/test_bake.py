@@ -89,6 +89,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "scripts/bench_checkpoint.py",
         "scripts/bench_step.py",
         "scripts/bench_ckpt_memory.py",
+        "scripts/bench_fsdp.py",
         "scripts/bench_children.py",
         "scripts/bench_tracking.py",
         "scripts/bench_turns.py",
@@ -174,6 +175,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         f"{pkg}/engine/ema.py",
         f"{pkg}/engine/evaluation.py",
         f"{pkg}/engine/finetune.py",
+        f"{pkg}/engine/fsdp.py",
         f"{pkg}/engine/inference.py",
         f"{pkg}/engine/launch.py",
         f"{pkg}/engine/loaders.py",
@@ -203,6 +205,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         f"{pkg}/engine/checkpoint/manager.py",
         f"{pkg}/engine/checkpoint/policy.py",
         f"{pkg}/engine/checkpoint/sharded.py",
+        f"{pkg}/engine/checkpoint/ties.py",
         f"{pkg}/engine/preflight/__init__.py",
         f"{pkg}/engine/preflight/checks.py",
         f"{pkg}/engine/preflight/probe.py",
@@ -212,6 +215,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "tests/__init__.py",
         "tests/conftest.py",
         "tests/faults.py",
+        "tests/hf_gpt2.py",
         "tests/train_with_faults.py",
         "tests/test_checkpoint.py",
         "tests/test_checkpoint_logic.py",
@@ -222,6 +226,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "tests/test_train.py",
         "tests/test_parallel.py",
         "tests/test_sharded.py",
+        "tests/test_fsdp.py",
         "tests/test_run_dir.py",
         "tests/test_sweeps.py",
         "tests/test_perf.py",
@@ -395,6 +400,9 @@ def test_baked_project_tests_pass_in_shared_env(baked, name):
     # And the smoke test of the bake's own default (2 CPU processes for one_node/multi_node).
     smoke = "tests/test_train.py::test_smoke_run_writes_the_run_directory"
     selected = ["-m", "not slow and not multiprocess", "tests/test_configs.py", smoke]
+    if default_parallel(context_of(name)) == "fsdp":
+        # The multi_node scope's defaults on its own first example: FSDP on the GPT.
+        selected.append("tests/test_fsdp.py::test_multi_node_defaults_train_the_gpt_example")
     if default_parallel(context_of(name)) == "none":
         # And the same-seed tests (0 and 2 loader workers): reproducibility in the
         # bakes whose default is the one-process run the default bake also tests (the

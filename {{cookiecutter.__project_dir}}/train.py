@@ -44,6 +44,7 @@ from {{ cookiecutter.package_name }}.engine.ema import WeightAverage, metric_nam
 from {{ cookiecutter.package_name }}.engine.entry import run_entry_point
 from {{ cookiecutter.package_name }}.engine.finetune import init_from
 from {{ cookiecutter.package_name }}.engine.fits import check_model_fits_data
+from {{ cookiecutter.package_name }}.engine.fsdp import shard_model
 from {{ cookiecutter.package_name }}.engine.launch import LaunchError, run, runs_alone, spans_nodes
 from {{ cookiecutter.package_name }}.engine.loaders import batches_per_epoch, continue_epoch, run_length
 from {{ cookiecutter.package_name }}.engine.logs import setup_rank_logging
@@ -105,6 +106,9 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
     check_model_fits_data(model, cfg.data)  # vocabulary and positions: exit 2 naming both
     # checkpoint.init_from: a new run starting from another run's weights (fine-tuning)
     fine_tuned = init_from(cfg.checkpoint, model=model)
+    # parallel=fsdp: each repeated block its own FSDP unit, then the root (else a no-op);
+    # before the optimizer, which then holds the sharded parameters
+    model = shard_model(model, accelerator=accelerator, parallel=cfg.parallel)
     # task.param_groups: no weight decay on biases, norms and embeddings by default
     optimizer = instantiate(cfg.optimizer, what="optimizer")(task.param_groups(model))
     # samples/s, tokens/s and MFU for the logs (before prepare() wraps the model)

@@ -47,12 +47,14 @@ def _child_ckpt_memory(spec: dict) -> None:
     from {{ cookiecutter.package_name }}.engine.accel import build_accelerator
     from {{ cookiecutter.package_name }}.engine.checkpoint import format as fmt
     from {{ cookiecutter.package_name }}.engine.checkpoint import full_state, sharded
+    from {{ cookiecutter.package_name }}.engine.fsdp import shard_model
 
     cfg = OmegaConf.create(spec["config"])
     acc = build_accelerator(cfg, Path(spec["dir"]))
     width, layers = spec["width"], spec["layers"]
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    model = shard_model(model, accelerator=acc, parallel=cfg.parallel)  # a unit per layer
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = acc.prepare(model, optimizer)
     model(torch.randn(2, width)).sum().backward()  # AdamW's state exists after a step

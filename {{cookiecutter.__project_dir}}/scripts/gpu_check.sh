@@ -2,9 +2,11 @@
 # One-shot check of the paths that need GPUs (CI runs on CPUs only):
 # CUDA bf16 and fp16 (grad scaler), deterministic mode, the GPT example with
 # bf16 autocast, torch.compile, fused AdamW and async checkpoints (pinned-memory
-# staging) reporting tokens/s and MFU, and with 2+ GPUs NCCL DDP (self-launched
-# and torchrun) and FSDP through accelerate's own GPU code path, with bf16 as
-# FSDP's mixed-precision policy, for the digits task and the GPT.
+# staging) reporting tokens/s and MFU; FSDP on one GPU (per-block units, bf16
+# params with fp32 reduction; CPU offload with activation checkpointing); and with
+# 2+ GPUs NCCL DDP (self-launched and torchrun) and FSDP through accelerate's own
+# GPU code path, for the digits task and the GPT (with and without activation
+# checkpointing).
 #
 #   pip install -e '.[dev]' && bash scripts/gpu_check.sh
 #   BENCH=1 bash scripts/gpu_check.sh      # then also python bench.py (a few minutes)
@@ -68,6 +70,13 @@ check cuda_bf16 1 NO "$DIGITS" -- python train.py trainer.mixed_precision=bf16
 check cuda_fp16 1 NO "$DIGITS" -- python train.py trainer.mixed_precision=fp16
 check deterministic 1 NO "$DIGITS" -- python train.py seeding=deterministic
 check gpt_bf16_compile 1 NO "$GPT_OK" -- python train.py "${GPT[@]}"
+# FSDP on one GPU: per-block units with bf16 params / fp32 reduction, then with the
+# sharded state in CPU memory (CPU offload) and activation checkpointing.
+check gpt_fsdp_one_gpu 1 FSDP "$GPT_OK" -- python train.py "${GPT[@]}" parallel=fsdp \
+  parallel.num_processes=1
+check gpt_fsdp_offload_ac 1 FSDP "$GPT_OK" -- python train.py "${GPT[@]}" parallel=fsdp \
+  parallel.num_processes=1 parallel.cpu_offload=true parallel.activation_checkpointing=true \
+  trainer.compile=false
 if [ "$GPUS" -ge 2 ]; then
   check ddp_nccl_bf16 2 MULTI_GPU "$DIGITS" -- python train.py parallel=ddp \
     parallel.num_processes=2 trainer.mixed_precision=bf16
@@ -78,7 +87,9 @@ if [ "$GPUS" -ge 2 ]; then
   check gpt_ddp 2 MULTI_GPU "$GPT_OK" -- python train.py "${GPT[@]}" parallel=ddp \
     parallel.num_processes=2
   check gpt_fsdp 2 FSDP "$GPT_OK" -- python train.py "${GPT[@]}" parallel=fsdp \
-    parallel.num_processes=2 parallel.auto_wrap_min_params=100000
+    parallel.num_processes=2
+  check gpt_fsdp_ac 2 FSDP "$GPT_OK" -- python train.py "${GPT[@]}" parallel=fsdp \
+    parallel.num_processes=2 parallel.activation_checkpointing=true
 else
   echo "SKIP  ddp/fsdp: need 2 GPUs"
 fi

@@ -21,6 +21,7 @@ from accelerate.utils import (
 )
 from omegaconf import DictConfig
 
+from . import fsdp
 from .config import PARALLEL_MODES, ConfigError
 from .launch import LaunchError, expected_world_size, under_launcher
 from .tracking import build_trackers
@@ -41,18 +42,22 @@ def build_accelerator(cfg: DictConfig, run_dir: Path) -> Accelerator:
         )
     on_cpu = not torch.cuda.is_available()
     handlers = []
+    backend = _backend(p, on_cpu)
     if p.mode != "none":
         handlers += [
-            # gloo on CPU (NCCL needs GPUs); the timeout bounds a hung collective.
-            InitProcessGroupKwargs(
-                backend=(p.backend if p.backend != "auto" else ("gloo" if on_cpu else "nccl")),
-                timeout=timedelta(seconds=p.timeout_s),
-            ),
+            # the timeout bounds a hung collective
+            InitProcessGroupKwargs(backend=backend, timeout=timedelta(seconds=p.timeout_s)),
             DistributedDataParallelKwargs(find_unused_parameters=p.find_unused_parameters),
         ]
-    fsdp_plugin = _fsdp_plugin(p, on_cpu) if p.mode == "fsdp" else None
-    deepspeed_plugin = _deepspeed_plugin(cfg) if p.mode == "deepspeed" else None
     precision, why = resolve_precision(cfg.trainer.mixed_precision, on_cpu)
+    fsdp_plugin = _fsdp_plugin(p, on_cpu, precision) if p.mode == "fsdp" else None
+    deepspeed_plugin = _deepspeed_plugin(cfg) if p.mode == "deepspeed" else None
+    if fsdp_plugin is not None and not under_launcher() and expected_world_size(p) == 1:
+        # FSDP on one process (CPU offload on one GPU; a run resumed on one process):
+        # fully_shard and DCP need a process group, which accelerate makes for 2+ only.
+        # Ours, then: accelerate, given no backend, sees one process of rank 0.
+        fsdp.one_process_group(backend, p.timeout_s)
+        handlers = handlers[1:]
     accelerator = Accelerator(
         # Without cpu=True on a machine without GPUs, accelerate ignores the
         # launcher and every process becomes an independent rank 0. DeepSpeed is
@@ -82,9 +87,10 @@ def build_accelerator(cfg: DictConfig, run_dir: Path) -> Accelerator:
         log.info(f"trainer.mixed_precision=auto: {precision} ({why})")
     _cache_per_step_package_checks()
     if fsdp_plugin is not None and accelerator.distributed_type != DistributedType.FSDP:
-        _use_fsdp_without_gpus(accelerator, fsdp_plugin)
+        _use_fsdp_where_accelerate_does_not(accelerator, fsdp_plugin)
     wanted = {"fsdp": DistributedType.FSDP, "deepspeed": DistributedType.DEEPSPEED}.get(p.mode)
-    if wanted and accelerator.num_processes > 1 and accelerator.distributed_type != wanted:
+    sharded = accelerator.num_processes > 1 or p.mode == "fsdp"  # FSDP on one process too
+    if wanted and sharded and accelerator.distributed_type != wanted:
         raise LaunchError(
             f"parallel.mode={p.mode!r} asked for {wanted.value} but accelerate set up "
             f"{accelerator.distributed_type.value}"
@@ -150,16 +156,28 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
-def _fsdp_plugin(p: DictConfig, on_cpu: bool) -> FullyShardedDataParallelPlugin:
+def _backend(p: DictConfig, on_cpu: bool) -> str:
+    """gloo on CPU (NCCL needs GPUs); FSDP's CPU offload on GPUs also needs gloo
+    for the collectives on its CPU tensors (clip_grad_norm_ of offloaded gradients)."""
+    if p.get("backend", "auto") != "auto":
+        return p.backend
+    if on_cpu:
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if p.mode == "fsdp" and p.get("cpu_offload") else "nccl"
+
+
+def _fsdp_plugin(p: DictConfig, on_cpu: bool, precision: str) -> FullyShardedDataParallelPlugin:
     if p.cpu_offload and on_cpu:
         raise ConfigError("parallel.cpu_offload=true needs GPUs (the model is on the CPU already)")
+    # The units, activation checkpointing and precision policy are applied by
+    # fsdp.shard_model (its docstring says why): accelerate wraps nothing itself.
     return FullyShardedDataParallelPlugin(
         fsdp_version=2,
-        auto_wrap_policy="size_based_wrap",
-        min_num_params=p.auto_wrap_min_params,
+        auto_wrap_policy="no_wrap",
         reshard_after_forward=p.reshard_after_forward,
         cpu_offload=p.cpu_offload,
-        activation_checkpointing=p.activation_checkpointing,
+        activation_checkpointing=False,
+        mixed_precision_policy=fsdp.precision_policies(precision)[0],
         state_dict_type="SHARDED_STATE_DICT",
         cpu_ram_efficient_loading=False,
     )
@@ -185,17 +203,17 @@ def _deepspeed_plugin(cfg: DictConfig) -> DeepSpeedPlugin:
     )
 
 
-def _use_fsdp_without_gpus(
+def _use_fsdp_where_accelerate_does_not(
     accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin
 ) -> None:
-    """accelerate enables its FSDP plugin on accelerators only and would
-    silently fall back to DDP on CPU. FSDP2 itself (``fully_shard`` on a gloo
-    process group, DTensor parameters, DCP checkpoints) works on CPU, so we
-    switch accelerate's state to FSDP explicitly: from here on prepare,
-    clip_grad_norm_, get_state_dict and save_state take accelerate's own,
-    unmodified FSDP2 code path, the one they take on GPUs. Used for CPU runs
-    and CI; production FSDP runs on GPUs where accelerate does this itself."""
-    if accelerator.num_processes > 1:
+    """accelerate enables its FSDP plugin on accelerators with 2+ processes only,
+    and would silently fall back to DDP on CPU, or to no sharding on one process.
+    FSDP2 itself (``fully_shard`` on a gloo process group, DTensor parameters, DCP
+    checkpoints) works on CPU and on a group of one, so we switch accelerate's
+    state to FSDP explicitly: from here on prepare, clip_grad_norm_, get_state_dict
+    and save_state take accelerate's own, unmodified FSDP2 code path, the one they
+    take on several GPUs. Used for CPU runs, CI and one-process FSDP."""
+    if torch.distributed.is_initialized():
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP
         AcceleratorState._shared_state["distributed_type"] = DistributedType.FSDP
         AcceleratorState._shared_state["fsdp_plugin"] = plugin

@@ -239,6 +239,13 @@ def _module_names(v: Any) -> bool:
     )
 
 
+def _class_names(v: Any) -> bool:
+    names = list(v) if isinstance(v, list | tuple | ListConfig) else None
+    return v is None or (
+        bool(names) and all(isinstance(n, str) and n.isidentifier() for n in names)
+    )
+
+
 def _mixed_precision(v: Any) -> bool:
     # YAML reads an unquoted `no` as false; accept it as "no".
     return v is False or v in MIXED_PRECISION
@@ -259,6 +266,11 @@ RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("parallel.master_port", _port, "null or a port number in 1..65535"),
     ("parallel.backend", lambda v: v in ("auto", "gloo", "nccl"), "auto, gloo or nccl"),
     ("parallel.timeout_s", _positive_number, "a number of seconds > 0"),
+    ("parallel.wrap_classes", _class_names, "null or a list of class names, e.g. [Block]"),
+    ("parallel.auto_wrap_min_params", _positive_int, "an integer >= 1"),
+    ("parallel.reshard_after_forward", _bool, "true or false"),
+    ("parallel.cpu_offload", _bool, "true or false"),
+    ("parallel.activation_checkpointing", _bool, "true or false"),
     ("scheduler.warmup_steps", _non_negative_int, "an integer >= 0"),
     ("scheduler.min_lr_ratio", lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
     ("trainer.max_epochs", _optional_positive_int, "an integer >= 1 or null"),
@@ -402,6 +414,7 @@ ALLOWED_CONFIG_CHANGES = (
     "parallel.num_nodes",
     "parallel.backend",  # a transport (parallel=none has none)
     "parallel.find_unused_parameters",
+    "parallel.wrap_classes",
     "parallel.auto_wrap_min_params",
     "parallel.reshard_after_forward",
     "parallel.cpu_offload",

@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from . import trust
-from .checkpoint import folder
+from .checkpoint import folder, ties
 from .checkpoint import format as fmt
 from .checkpoint.format import CheckpointError
 from .config import ConfigError, instantiate, require
@@ -129,12 +129,12 @@ def read_weights(ckpt: Path, weights: str = "raw") -> tuple[dict[str, torch.Tens
             f"{ckpt} holds no EMA weights (trained without trainer.ema.enabled=true): "
             "use weights=raw"
         )
-    # Every file verified, as resume and the CLI do; only these two read whole.
-    wanted = (name, "config.json")
+    # Every file verified, as resume and the CLI do; only these read whole.
+    wanted = (name, "config.json", ties.TIES_FILE)
     loaded = fmt.verify_files(
         ckpt, parse=lambda n, p: fmt.parse_file(n, p) if n in wanted else fmt.check_content(n, p)
     )
-    state = loaded[name]
+    state = ties.restore(loaded[name], ties.of_checkpoint(loaded, ckpt))  # tied: stored once
     if weights == "ema":  # torch.optim.swa_utils.AveragedModel's keys: module.* + n_averaged
         state = {k.removeprefix("module."): v for k, v in state.items() if k != "n_averaged"}
     return state, loaded["config.json"]

@@ -223,7 +223,8 @@ def log_final_model(accelerator: Any, cfg: DictConfig, run_dir: Path, loader: An
     from hydra.utils import instantiate
     from mlflow.models import ModelSignature
     from mlflow.types import Schema, TensorSpec
-    from safetensors.torch import load_file
+
+    from .checkpoint.ties import load_file  # tied weights: their aliases put back
 
     model = instantiate(cfg.model)
     model.load_state_dict(load_file(weights))

@@ -4,7 +4,9 @@ inspect checkpoints.
     list   RUN_DIR|CHECKPOINTS_DIR|CHECKPOINT   step, epoch, size, validity, metrics
     verify PATH                                 every file's size and checksum; exit 1 if invalid
     export PATH [-o model.safetensors] [--best] the newest (or the best) valid checkpoint's
-                                                weights; a sharded one streamed into one file
+                                                weights; a sharded one streamed into one file;
+                                                tied weights once, named in its metadata
+                                                (checkpoint/ties.py: load_file)
 
 README: "Checkpoints and resuming".
 """
@@ -16,7 +18,7 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError
-from . import sharded
+from . import sharded, ties
 from .export_hf import export_hf
 from .folder import find_checkpoints, read_pointer
 from .format import (
@@ -98,6 +100,8 @@ def _cli_export(path: Path, out: Path, best: bool, form: str, trusted: list[str]
         try:  # the whole checkpoint, as every reader checks it (format.check_content)
             layout = read_manifest(ckpt).get("layout", "full")
             verify_files(ckpt, parse=check_content)
+            # tied weights are stored once; the export names them in its metadata
+            tied = ties.of_checkpoint(verify_files(ckpt, [ties.TIES_FILE], parse=parse_file), ckpt)
         except CheckpointError as err:
             print(f"skipping {ckpt}: {err}", file=sys.stderr)
             continue
@@ -111,8 +115,15 @@ def _cli_export(path: Path, out: Path, best: bool, form: str, trusted: list[str]
             return 0
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f".{out.name}.tmp")
-        if layout == "sharded":
+        if layout == "sharded" and tied:
+            staged = tmp.with_name(f"{tmp.name}.consolidated")
+            sharded.consolidate(ckpt, staged)
+            ties.with_metadata(staged, tmp, tied)
+            staged.unlink()
+        elif layout == "sharded":
             sharded.consolidate(ckpt, tmp)
+        elif tied:
+            ties.with_metadata(ckpt / "model.safetensors", tmp, tied)
         else:
             shutil.copyfile(ckpt / "model.safetensors", tmp)
         with open(tmp, "rb+") as f:

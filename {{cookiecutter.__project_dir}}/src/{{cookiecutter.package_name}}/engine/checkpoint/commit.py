@@ -35,7 +35,7 @@ def make_tmp(job: async_save.SaveJob, accelerator: Any) -> OSError | None:
 def write_and_commit(
     job: async_save.SaveJob,
     acc: Any,
-    failed: OSError | None,
+    failed: OSError | CheckpointError | None,
     sync: bool,
     timeout_s: float,
     keep_last: int,
@@ -64,7 +64,7 @@ def write_and_commit(
                 files = fmt.write_main_files(job.tmp, job.step, job.tensors, job.blobs)
             elif acc.is_main_process:
                 files = write_blobs(job)
-    except OSError as err:
+    except (OSError, CheckpointError) as err:  # the barrier first, then every rank raises
         failed = err
     if sync:
         acc.wait_for_everyone()
@@ -107,7 +107,16 @@ def write_blobs(job: async_save.SaveJob) -> dict[str, dict[str, Any]]:
     return files
 
 
-def write_error(job: async_save.SaveJob, failed: OSError) -> CheckpointError:
+def write_error(job: async_save.SaveJob, failed: Exception) -> CheckpointError:
+    """The error a failed save raises: the disk advice for the file system's
+    errors only; anything else (tensors sharing memory, a layout the format
+    cannot store) is named as it is."""
+    if not isinstance(failed, OSError):
+        return CheckpointError(
+            f"could not write checkpoint {job.name} in {job.root}: {failed}. Earlier "
+            "checkpoints are intact; this is not a disk problem: the state itself could "
+            'not be written in this format (checkpoint.format, README: "Checkpoints and resuming").'
+        )
     return CheckpointError(
         f"could not write checkpoint {job.name} in {job.root}: {failed.strerror or failed} "
         f"({failed.filename or ''}). Earlier checkpoints are intact; free disk space or fix "

@@ -2,10 +2,12 @@
 mode: as full tensors (``checkpoint.format: full``; gathered from and scattered
 to FSDP shards: what DDP and single-process runs use), or, for ``sharded``
 (``auto`` under FSDP), each rank's own shards (sharded.py). Both load into any
-world size and parallel mode. Also the run's final ``model.safetensors``.
+world size and parallel mode. Also the run's final ``model.safetensors``. Tied
+parameters are stored once under both layouts and re-tied on load (ties.py).
 README: "Checkpoints and resuming".
 """
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ from torch.nn import DataParallel
 from torch.nn.parallel import DistributedDataParallel
 
 from . import format as fmt
-from . import sharded
+from . import sharded, ties
 
 
 def take(
@@ -27,12 +29,20 @@ def take(
     tensors by file name (``full``; collectives under FSDP), or this rank's
     shards (``sharded``, for ``sharded.write_job``), and extra small files."""
     main = accelerator.is_main_process
+    tied = ties.find(plain_model(accelerator, model))
     if layout == "sharded":
         model_sd, optim_tensors, plain = sharded.state_dicts(accelerator, model, optimizer)
         extra = {sharded.OPTIMIZER_GROUPS: sharded.optimizer_groups_bytes(plain)} if main else {}
-        return {}, (model_sd, optim_tensors), extra
-    state = model_state(accelerator, model), optimizer_state(accelerator, model, optimizer)
-    return ({"model.safetensors": state[0], "optimizer.pt": state[1]} if main else {}), None, {}
+        shards, tensors = (model_sd, optim_tensors), {}
+    else:
+        weights = model_state(accelerator, model)  # every name, tied ones too
+        tied = ties.in_state(tied, weights)
+        state = ties.drop_aliases(weights, tied), optimizer_state(accelerator, model, optimizer)
+        shards, extra = None, {}
+        tensors = {"model.safetensors": state[0], "optimizer.pt": state[1]} if main else {}
+    if tied and main:  # the aliases dropped (sharded.state_dicts too), recorded here
+        extra[ties.TIES_FILE] = ties.to_bytes(tied)
+    return tensors, shards, extra
 
 
 def restore(
@@ -47,9 +57,8 @@ def restore(
     if layout == "sharded":
         sharded.load(ckpt, accelerator, model, optimizer, loaded[sharded.OPTIMIZER_GROUPS])
     else:
-        load_model_and_optimizer(
-            accelerator, model, optimizer, loaded["model.safetensors"], loaded["optimizer.pt"]
-        )
+        weights = ties.restore(loaded["model.safetensors"], ties.of_checkpoint(loaded, ckpt))
+        load_model_and_optimizer(accelerator, model, optimizer, weights, loaded["optimizer.pt"])
 
 
 def plain_model(accelerator: Any, model: torch.nn.Module) -> torch.nn.Module:
@@ -100,8 +109,10 @@ def load_model_and_optimizer(
     model_state: dict[str, torch.Tensor],
     optimizer_state: dict[str, Any],
 ) -> None:
-    """Load full states; under FSDP every rank shards its copy."""
+    """Load full states; under FSDP every rank shards its copy. Tied parameters
+    (stored once) get their aliases back first: a strict load sets every name."""
     plain = plain_model(accelerator, model)
+    model_state = ties.restore(model_state, ties.find(plain))
     if not accelerator.is_fsdp2:
         plain.load_state_dict(model_state)
         optimizer.load_state_dict(optimizer_state)
@@ -119,18 +130,22 @@ def load_model_and_optimizer(
 
 def save_final_weights(accelerator: Any, model: torch.nn.Module, run_dir: Path) -> None:
     """``run_dir/model.safetensors``: the full model in one file, every name its
-    class defines (tied weights copied), written by the main process and fsynced;
-    a collective under FSDP (gathered). DeepSpeed: accelerate's ``save_model``
+    class defines but the aliases of tied weights (stored once, named in the
+    metadata: ``ties.load_file`` puts them back), written by the main process and
+    fsynced; a collective under FSDP (gathered). DeepSpeed: accelerate's ``save_model``
     (ZeRO-3 gathers its own way). Not ``save_model`` otherwise: it unwraps the model
     through accelerate's ``unwrap_model`` again (see ``plain_model``)."""
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         accelerator.save_model(plain_model(accelerator, model), run_dir)
         return
     state = model_state(accelerator, model)
+    tied = ties.in_state(ties.find(plain_model(accelerator, model)), state)
+    metadata = {"format": "pt", **({ties.METADATA_KEY: json.dumps(tied)} if tied else {})}
     if accelerator.is_main_process:  # atomic: a crash leaves the old file or none
         final = Path(run_dir) / "model.safetensors"
         tmp = final.with_name(f".{final.name}.tmp")
-        fmt.write_file(tmp, save_safetensors(fmt.unshared(state), metadata={"format": "pt"}))
+        state = fmt.unshared(ties.drop_aliases(state, tied))
+        fmt.write_file(tmp, save_safetensors(state, metadata=metadata))
         os.replace(tmp, final)
         fmt.fsync_dir(final.parent)
     accelerator.wait_for_everyone()

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from . import full_state
+from . import full_state, ties
 from .format import SHARD_DIRS, CheckpointError
 
 MODEL_DIR, OPTIMIZER_DIR = SHARD_DIRS
@@ -40,7 +40,8 @@ def state_dicts(
     accelerator: Any, model: torch.nn.Module, optimizer: Any
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """This rank's view of the live state, no gathering: model tensors (DTensor
-    shards under FSDP), optimizer tensors (flattened, ``state.<param>.<key>``)
+    shards under FSDP; a tied parameter under its kept name only, ties.py),
+    optimizer tensors (flattened, ``state.<param>.<key>``: kept names already)
     and the optimizer's plain values (``param_groups.<param>.<key>``, for JSON)."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -48,7 +49,7 @@ def state_dicts(
     )
 
     plain = full_state.plain_model(accelerator, model)
-    model_sd = get_model_state_dict(plain)
+    model_sd = ties.drop_aliases(get_model_state_dict(plain), ties.find(plain))
     optim_sd = get_optimizer_state_dict(
         plain, getattr(optimizer, "optimizer", optimizer), options=_options()
     )
@@ -75,7 +76,9 @@ def optimizer_groups_bytes(plain_values: dict[str, Any]) -> bytes:
 def write(tmp: Path, model_sd: dict[str, Any], optim_tensors: dict[str, Any], step: int) -> None:
     """Every rank writes its shards into ``tmp/model`` and ``tmp/optimizer``
     (collectives: DCP plans the save across ranks; replicated tensors are
-    written once). Raises OSError when a rank's write failed (on every rank)."""
+    written once). When a rank's write failed, raises on every rank: OSError
+    for the file system's errors, CheckpointError for the rest (e.g. tensors
+    that share memory or a layout safetensors cannot store)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint.api import CheckpointException
@@ -87,12 +90,26 @@ def write(tmp: Path, model_sd: dict[str, Any], optim_tensors: dict[str, Any], st
         try:
             dcp.save(state, storage_writer=writer)
         except CheckpointException as err:
-            raise OSError(f"a rank could not write its {directory} shards: {err}") from err
+            raise write_failure(directory, err) from err
         if directory == MODEL_DIR:
             fmt.pause_point("between_files", step)
 
 
-def write_job(job: Any, failed: OSError | None, rank: int) -> OSError | None:
+def write_failure(directory: str, err: Any) -> OSError | CheckpointError:
+    """What a failed DCP save says: the first rank's own error, as an OSError only
+    when every rank's is one (a full disk, a permission), so that the message
+    gives the disk advice only for those."""
+    failures = sorted(getattr(err, "failures", {}).items())
+    errors = [exc for _, (exc, _trace) in failures]
+    first = f"rank {failures[0][0]}: {type(errors[0]).__name__}: {errors[0]}" if errors else err
+    if errors and all(isinstance(e, OSError) for e in errors):
+        return OSError(errors[0].errno, f"a rank could not write its {directory} shards: {first}")
+    return CheckpointError(f"the {directory} shards could not be written: {first}")
+
+
+def write_job(
+    job: Any, failed: OSError | CheckpointError | None, rank: int
+) -> OSError | CheckpointError | None:
     """Every rank writes a save job's shards (``job.shards``) into ``job.tmp``,
     then notes the files it wrote (``job.own_files``, hashed by commit.py).
     Returns the first error instead of raising, as ``commit.make_tmp`` does."""
@@ -104,7 +121,7 @@ def write_job(job: Any, failed: OSError | None, rank: int) -> OSError | None:
     job.shards = None  # the live tensors are not kept past the write
     try:
         write(job.tmp, model_sd, optim_tensors, job.step)
-    except OSError as err:
+    except (OSError, CheckpointError) as err:
         return err
     job.own_files = own_files(job.tmp, rank)
     return None
@@ -152,7 +169,7 @@ def load(
     model_sd, optim_tensors, _ = state_dicts(accelerator, model, optimizer)
     try:
         dcp.load(model_sd, storage_reader=HuggingFaceStorageReader(str(ckpt / MODEL_DIR)))
-        set_model_state_dict(plain, model_sd)
+        set_model_state_dict(plain, ties.restore(model_sd, ties.find(plain)))  # strict
         reader = HuggingFaceStorageReader(str(ckpt / OPTIMIZER_DIR))
         dcp.load(optim_tensors, storage_reader=reader)
     except CheckpointException as err:  # a BaseException: the caller sees a RuntimeError
