@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from . import trust
-from .checkpoint import folder, ties
+from .checkpoint import folder, sharded, ties
 from .checkpoint import format as fmt
 from .checkpoint.format import CheckpointError
 from .config import ConfigError, instantiate, require
@@ -123,8 +123,9 @@ def read_weights(ckpt: Path, weights: str = "raw") -> tuple[dict[str, torch.Tens
     data: build nothing from it without ``trusted_config``."""
     check_choice("weights", weights, WEIGHTS)
     manifest = fmt.read_manifest(ckpt)
+    shards = manifest.get("layout") == "sharded" and weights == "raw"  # model/ shards
     name = "model.safetensors" if weights == "raw" else EMA_FILE
-    if name not in manifest["files"]:
+    if name not in manifest["files"] and not shards:
         raise CheckpointError(
             f"{ckpt} holds no EMA weights (trained without trainer.ema.enabled=true): "
             "use weights=raw"
@@ -134,7 +135,8 @@ def read_weights(ckpt: Path, weights: str = "raw") -> tuple[dict[str, torch.Tens
     loaded = fmt.verify_files(
         ckpt, parse=lambda n, p: fmt.parse_file(n, p) if n in wanted else fmt.check_content(n, p)
     )
-    state = ties.restore(loaded[name], ties.of_checkpoint(loaded, ckpt))  # tied: stored once
+    full = sharded.full_model_state(ckpt) if shards else loaded[name]  # consolidated
+    state = ties.restore(full, ties.of_checkpoint(loaded, ckpt))  # tied: stored once
     if weights == "ema":  # torch.optim.swa_utils.AveragedModel's keys: module.* + n_averaged
         state = {k.removeprefix("module."): v for k, v in state.items() if k != "n_averaged"}
     return state, loaded["config.json"]

@@ -24,6 +24,7 @@ from .folder import find_checkpoints, read_pointer
 from .format import (
     CheckpointError,
     check_content,
+    parse_file,
     read_manifest,
     verify_checkpoint,
     verify_files,

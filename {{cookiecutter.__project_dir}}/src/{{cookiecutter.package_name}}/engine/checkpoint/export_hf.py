@@ -24,7 +24,7 @@ from ..config import ConfigError, instantiate
 from ..inference import trusted_config
 from ..tokenizer import load_tokenizer, save_for_transformers
 from . import format as fmt
-from . import sharded
+from . import sharded, ties
 
 
 def export_hf(ckpt: Path, out: Path, *, trusted: Any = (), max_shard_size: str = "5GB") -> None:
@@ -44,7 +44,13 @@ def export_hf(ckpt: Path, out: Path, *, trusted: Any = (), max_shard_size: str =
             f"--format hf needs a transformers model (model=hf); {ckpt}'s model is "
             f"{type(model).__name__}: export --format safetensors instead"
         )
-    state = model_state(ckpt)
+    manifest = fmt.read_manifest(ckpt)
+    state = (
+        sharded.full_model_state(ckpt) if manifest.get("layout") == "sharded" else _weights(ckpt)
+    )
+    if ties.TIES_FILE in manifest["files"]:  # stored once: every name back for transformers
+        tied = ties.parse(fmt.parse_file(ties.TIES_FILE, ckpt / ties.TIES_FILE), str(ckpt))
+        state = ties.restore(state, tied)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -60,13 +66,7 @@ def export_hf(ckpt: Path, out: Path, *, trusted: Any = (), max_shard_size: str =
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def model_state(ckpt: Path) -> dict[str, torch.Tensor]:
-    """The full model state of a checkpoint (a sharded one consolidated first)."""
+def _weights(ckpt: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    if fmt.read_manifest(ckpt).get("layout") != "sharded":
-        return load_file(ckpt / "model.safetensors")
-    with tempfile.TemporaryDirectory() as folder:
-        whole = Path(folder) / "model.safetensors"
-        sharded.consolidate(ckpt, whole)
-        return load_file(whole)
+    return load_file(ckpt / "model.safetensors")

@@ -194,3 +194,14 @@ def consolidate(ckpt: Path, tmp: Path) -> None:
     with tempfile.TemporaryDirectory(dir=tmp.parent) as folder:
         consolidate_safetensors_files(str(shards), folder, dict.fromkeys(sorted(names), 1))
         os.replace(Path(folder) / "model-00001-of-00001.safetensors", tmp)
+
+
+def full_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The whole model of a (verified) sharded checkpoint, consolidated through a
+    temporary file (eval.py, load_model, export --format hf: one process)."""
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as folder:
+        whole = Path(folder) / "model.safetensors"
+        consolidate(ckpt, whole)
+        return load_file(whole)
