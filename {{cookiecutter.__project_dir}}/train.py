@@ -40,7 +40,7 @@ from {{ cookiecutter.package_name }}.engine.debug import Debug
 from {{ cookiecutter.package_name }}.engine.early_stopping import EarlyStopping
 from {{ cookiecutter.package_name }}.engine.ema import WeightAverage, metric_names
 from {{ cookiecutter.package_name }}.engine.finetune import init_from
-from {{ cookiecutter.package_name }}.engine.launch import LaunchError, run, spans_nodes
+from {{ cookiecutter.package_name }}.engine.launch import LaunchError, adopt_pet_env, run, spans_nodes
 from {{ cookiecutter.package_name }}.engine.loaders import batches_per_epoch, continue_epoch, run_length
 from {{ cookiecutter.package_name }}.engine.logs import setup_rank_logging
 from {{ cookiecutter.package_name }}.engine.metrics import MetricBook
@@ -309,6 +309,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
 def launch(raw: DictConfig) -> float | None:
     """Check the config, claim the run dir, train (here or in spawned workers)."""
     cfg = resolve_config(raw)  # plain and resolved: no ${...}, no Hydra state needed
+    adopt_pet_env(cfg.parallel)  # in a Kubeflow Trainer pod: nodes, rank, rendezvous from PET_*
     check_config(cfg)
     monitored = (*TRAIN_METRICS, *task.METRICS, *metric_names(cfg.trainer.ema))
     if cfg.trainer.monitor not in monitored and not cfg.trainer.monitor.startswith("perf/"):
