@@ -15,11 +15,15 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
+from hydra_plugins.{{ cookiecutter.package_name }}_k8s import manifest
+from hydra_plugins.{{ cookiecutter.package_name }}_k8s.launcher import (
+    job_name,
+    nodes_and_procs,
+    pod_overrides,
+)
 from omegaconf import OmegaConf
 
 from {{ cookiecutter.package_name }}.engine.config import ConfigError
-from hydra_plugins.{{ cookiecutter.package_name }}_k8s import manifest
-from hydra_plugins.{{ cookiecutter.package_name }}_k8s.launcher import job_name, nodes_and_procs, pod_overrides
 
 from .conftest import CONFIG_DIR, ENV, PROJECT_ROOT
 

@@ -13,11 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from hydra_plugins.{{ cookiecutter.package_name }}_k8s import manifest
 from omegaconf import OmegaConf
 
 from {{ cookiecutter.package_name }}.engine.config import ConfigError
 from {{ cookiecutter.package_name }}.engine.launch import adopt_pet_env
-from hydra_plugins.{{ cookiecutter.package_name }}_k8s import manifest
 
 from .conftest import CONFIG_DIR, ENV, PROJECT_ROOT, fingerprints, wait_for
 from .test_k8s import manifests, render
