@@ -336,16 +336,12 @@ def test_a_bad_launcher_option_is_named_with_what_is_allowed(key, value):
 
 def test_job_names_are_dns_labels_that_fit_jobset_pod_names():
     stamp = "2026-12-02/07-21-00-3fa2c1"
-    assert (
-        job_name(None, "{{ cookiecutter.package_name }}", stamp, 0, many=False)
-        == "digit-trainer-20261202-072100-3fa2c1"
-    )
-    assert job_name(None, "{{ cookiecutter.package_name }}", stamp, 7, many=True).endswith("-3fa2c1-7")
+    assert job_name(None, "my_lab", stamp, 0, many=False) == "my-lab-20261202-072100-3fa2c1"
+    assert job_name(None, "my_lab", stamp, 7, many=True) == "my-lab-20261202-072100-3fa2c1-7"
     long = job_name(None, "x" * 80, stamp, 12, many=True)
     assert len(long) <= manifest.MAX_NAME and manifest.DNS_LABEL.match(long)
-    assert job_name(None, "_9lives", stamp, 0, many=False).startswith(
-        "run-9lives-"
-    )  # a letter first
+    first = job_name(None, "_9lives", stamp, 0, many=False)
+    assert first.startswith("run-9lives-")  # a letter first
     assert job_name("exp1", "p", stamp, 3, many=True) == "exp1-3"
 
 
