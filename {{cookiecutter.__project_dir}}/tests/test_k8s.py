@@ -96,11 +96,16 @@ def errors(validators: dict, doc: dict) -> list[str]:
 
 
 def render(
-    tmp_path: Path, *overrides: str, flag: tuple[str, ...] = ()
+    tmp_path: Path, *overrides: str, flag: tuple[str, ...] = (), env: dict | None = None
 ) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "train.py", *flag, "hydra/launcher=k8s", f"runs_root={tmp_path}/runs"]
     return subprocess.run(
-        [*cmd, *overrides], cwd=PROJECT_ROOT, env=ENV, capture_output=True, text=True, timeout=120
+        [*cmd, *overrides],
+        cwd=PROJECT_ROOT,
+        env=env or ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -293,10 +298,13 @@ def test_a_sweep_renders_one_trainjob_per_job_with_its_own_run(tmp_path, validat
     [
         ("hydra.launcher.max_restarts=-1", "hydra.launcher.max_restarts=-1 is not allowed"),
         ("optimizer.lr=-1", "optimizer.lr=-1 is not allowed"),  # the project's own checks, here
+        # apply=true without kubectl (PATH: this Python's directory only): refused up front
+        ("hydra.launcher.apply=true", "hydra.launcher.apply=true needs kubectl on PATH"),
     ],
 )
 def test_bad_values_stop_the_render_with_exit_2_and_nothing_on_disk(tmp_path, override, message):
-    proc = render(tmp_path, "parallel=ddp", override)
+    env = {**ENV, "PATH": str(Path(sys.executable).parent)}
+    proc = render(tmp_path, "parallel=ddp", override, env=env)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stdout + proc.stderr
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
