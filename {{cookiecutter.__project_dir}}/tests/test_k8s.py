@@ -294,17 +294,19 @@ def test_a_sweep_renders_one_trainjob_per_job_with_its_own_run(tmp_path, validat
 
 
 @pytest.mark.parametrize(
-    ("override", "message"),
+    ("overrides", "message"),
     [
-        ("hydra.launcher.max_restarts=-1", "hydra.launcher.max_restarts=-1 is not allowed"),
-        ("optimizer.lr=-1", "optimizer.lr=-1 is not allowed"),  # the project's own checks, here
+        (["hydra.launcher.max_restarts=-1"], "hydra.launcher.max_restarts=-1 is not allowed"),
+        (["optimizer.lr=-1"], "optimizer.lr=-1 is not allowed"),  # the project's own checks
         # apply=true without kubectl (PATH: this Python's directory only): refused up front
-        ("hydra.launcher.apply=true", "hydra.launcher.apply=true needs kubectl on PATH"),
+        (["hydra.launcher.apply=true"], "hydra.launcher.apply=true needs kubectl on PATH"),
+        (["run_name=exp1", "seed=1,2"], "run_name='exp1' names one run, but this command"),
     ],
+    ids=["option", "config", "apply", "run_name"],
 )
-def test_bad_values_stop_the_render_with_exit_2_and_nothing_on_disk(tmp_path, override, message):
+def test_bad_values_stop_the_render_with_exit_2_and_nothing_on_disk(tmp_path, overrides, message):
     env = {**ENV, "PATH": str(Path(sys.executable).parent)}
-    proc = render(tmp_path, "parallel=ddp", override, env=env)
+    proc = render(tmp_path, "parallel=ddp", *overrides, env=env)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stdout + proc.stderr
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
