@@ -12,7 +12,8 @@ TORCH     := torch==2.13.0
 TEST_DEPS := "cookiecutter>=2.6,<3" "pytest>=8" "ruff>=0.17,<0.18" \
              "hydra-core>=1.3.2,<1.4" "omegaconf>=2.3,<2.4" "accelerate>=1.2" \
              "safetensors>=0.4" "xxhash>=3.1" "numpy>=1.24" "tqdm>=4.66" "rich>=13" "pyyaml>=6" \
-             "hydra-submitit-launcher>=1.2" "cruft>=2.15" "pytest-xdist>=3.5"
+             "hydra-submitit-launcher>=1.2" "cruft>=2.15" "pytest-xdist>=3.5" \
+             "uv>=0.13.8,<0.14"
 
 .PHONY: demo test clean
 

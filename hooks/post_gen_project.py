@@ -13,6 +13,7 @@ from pathlib import Path
 LICENSE = json.loads(r'''{{ cookiecutter.license | tojson }}''')
 INCLUDE_SLURM = json.loads(r'''{{ cookiecutter.include_slurm | tojson }}''')
 SLUG = json.loads(r'''{{ cookiecutter.project_slug | tojson }}''')
+PACKAGE_MANAGER = json.loads(r'''{{ cookiecutter.package_manager | tojson }}''')
 CONTEXT = json.loads(r'''{{ cookiecutter | tojson }}''')
 
 NOT_CHOSEN = {
@@ -24,13 +25,19 @@ NOT_CHOSEN = {
 
 
 # The same lines as the project README's "Set up and run" (a bake test keeps them equal).
-NEXT_STEPS = [
+NEXT_STEPS_PIP = [
     "python3 -m venv .venv && . .venv/bin/activate",
     'pip install torch==2.13.0   # first; CPU wheel or CUDA build: README.md, "Installing torch"',
     "pip install -e '.[dev]'",
     "python train.py            # train the example task",
     "pytest -n auto             # run the project's tests, one per CPU core (-n 0: in turn)",
 ]
+NEXT_STEPS_UV = [
+    'uv sync --extra cpu        # CUDA: --extra cu130 (also on uv run): "Installing torch"',
+    "uv run train.py            # train the example task",
+    "uv run pytest -n auto      # run the project's tests, one per CPU core (-n 0: in turn)",
+]
+NEXT_STEPS = NEXT_STEPS_UV if PACKAGE_MANAGER == "uv" else NEXT_STEPS_PIP
 
 # cookiecutter's abbreviations, written out: cruft clones the template with git
 ABBREVIATIONS = {

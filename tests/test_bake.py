@@ -30,6 +30,7 @@ BAKES = {
         "default_tracker": "none",
         "license": "Apache-2.0",
         "include_slurm": "no",
+        "package_manager": "uv",  # tests/test_uv.py installs and runs such a bake with uv
     },
     "speech": {
         "project_name": "Speech-Net 2",
@@ -82,6 +83,8 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         ".github/workflows/ci.yml",
         ".gitignore",
         ".pre-commit-config.yaml",
+        ".dockerignore",
+        "Dockerfile",
         "README.md",
         "docs/trust.md",
         "pyproject.toml",
@@ -113,6 +116,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "configs/hparams_search/optuna.yaml",
         "configs/hydra/callbacks/default.yaml",
         "configs/hydra/callbacks/none.yaml",
+        "configs/hydra/launcher/k8s.yaml",
         "configs/hydra/sweeper/optuna.yaml",
         "configs/hydra/sweeper/sampler/brute_force.yaml",
         "configs/hydra/sweeper/sampler/random.yaml",
@@ -212,6 +216,9 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         f"{pkg}/engine/preflight/report.py",
         f"src/hydra_plugins/{ctx['package_name']}_optuna/__init__.py",
         f"src/hydra_plugins/{ctx['package_name']}_optuna/sweeper.py",
+        f"src/hydra_plugins/{ctx['package_name']}_k8s/__init__.py",
+        f"src/hydra_plugins/{ctx['package_name']}_k8s/launcher.py",
+        f"src/hydra_plugins/{ctx['package_name']}_k8s/manifest.py",
         "tests/__init__.py",
         "tests/conftest.py",
         "tests/faults.py",
@@ -232,6 +239,12 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "tests/test_perf.py",
         "tests/test_lifecycle.py",
         "tests/test_trust.py",
+        "tests/test_k8s.py",
+        "tests/test_pod_contract.py",
+        "tests/data/k8s/LICENSE",
+        "tests/data/k8s/README.md",
+        "tests/data/k8s/trainer.kubeflow.org_trainjobs.yaml.gz",
+        "tests/data/k8s/trainer.kubeflow.org_trainingruntimes.yaml.gz",
     }
     if ctx["license"] != "Proprietary":
         files.add("LICENSE")
@@ -303,6 +316,7 @@ def test_choices_land_in_the_project(baked, name):
     assert meta["requires-python"] == f">={ctx['python_version']}"
     assert meta.get("license") == (None if ctx["license"] == "Proprietary" else ctx["license"])
     assert ("slurm" in meta["optional-dependencies"]) == (ctx["include_slurm"] == "yes")
+    assert_package_manager(ctx, tomllib.loads((project / "pyproject.toml").read_text()), project)
     defaults = yaml.safe_load((project / "configs/train.yaml").read_text())["defaults"]
     assert {"tracker": ctx["default_tracker"]} in defaults
     assert {"parallel": default_parallel(ctx)} in defaults
@@ -321,6 +335,28 @@ def test_choices_land_in_the_project(baked, name):
             "Apache-2.0": "Apache License",
         }[ctx["license"]]
         assert first_line.strip() == expected
+
+
+def assert_package_manager(ctx: dict[str, str], pyproject: dict, project: Path) -> None:
+    """uv: torch by extra from PyTorch's explicit indexes (uv's PyTorch guide), the
+    dev tools in a dependency group, CI through uv. pip: none of it."""
+    extras = pyproject["project"]["optional-dependencies"]
+    workflow = (project / ".github/workflows/ci.yml").read_text()
+    builds = ["cpu", "cu128", "cu130"]
+    if ctx["package_manager"] == "pip":
+        assert "uv" not in pyproject.get("tool", {}) and "dependency-groups" not in pyproject
+        assert "dev" in extras and not set(builds) & set(extras)
+        assert "pip install -e '.[dev" in workflow and "uv " not in workflow
+        return
+    uv = pyproject["tool"]["uv"]
+    assert {i["name"]: (i["url"], i["explicit"]) for i in uv["index"]} == {
+        f"pytorch-{b}": (f"https://download.pytorch.org/whl/{b}", True) for b in builds
+    }
+    assert uv["sources"]["torch"] == [{"index": f"pytorch-{b}", "extra": b} for b in builds]
+    assert uv["conflicts"] == [[{"extra": b} for b in builds]]
+    assert all(extras[b] == ["torch==2.13.0"] for b in builds) and "dev" not in extras
+    assert any(d.startswith("pytest") for d in pyproject["dependency-groups"]["dev"])
+    assert "uv sync" in workflow and "uv run pytest" in workflow
 
 
 @pytest.mark.parametrize("name", BAKES)
@@ -346,7 +382,12 @@ def test_readme_names_the_chosen_defaults(baked, name):
     assert steps[0].strip() == f"cd {ctx['project_slug']}"
     setup = readme.split("## Set up and run", 1)[1].split("```bash\n", 1)[1].split("```")[0]
     assert [line.strip() for line in steps[1:]] == setup.strip().splitlines()
-    assert "pip install torch==" in setup and "Installing torch" in readme
+    assert "Installing torch" in readme
+    if ctx["package_manager"] == "uv":  # the two commands, and the tests through uv
+        commands = [line.split("#")[0].strip() for line in setup.strip().splitlines()]
+        assert commands == ["uv sync --extra cpu", "uv run train.py", "uv run pytest -n auto"]
+    else:
+        assert "pip install torch==" in setup and "uv " not in setup
 
 
 @pytest.mark.parametrize("name", BAKES)

@@ -45,7 +45,13 @@ from {{ cookiecutter.package_name }}.engine.entry import run_entry_point
 from {{ cookiecutter.package_name }}.engine.finetune import init_from
 from {{ cookiecutter.package_name }}.engine.fits import check_model_fits_data
 from {{ cookiecutter.package_name }}.engine.fsdp import shard_model
-from {{ cookiecutter.package_name }}.engine.launch import LaunchError, run, runs_alone, spans_nodes
+from {{ cookiecutter.package_name }}.engine.launch import (
+    LaunchError,
+    adopt_pet_env,
+    run,
+    runs_alone,
+    spans_nodes,
+)
 from {{ cookiecutter.package_name }}.engine.loaders import batches_per_epoch, continue_epoch, run_length
 from {{ cookiecutter.package_name }}.engine.logs import setup_rank_logging
 from {{ cookiecutter.package_name }}.engine.metrics import MetricBook, WindowMeans
@@ -339,6 +345,7 @@ def report_finished(run_dir: Path, summary: dict) -> float | None:
 def launch(raw: DictConfig) -> float | None:
     """Check the config, claim the run dir, train (here or in spawned workers)."""
     cfg = resolve_config(raw)  # plain and resolved: no ${...}, no Hydra state needed
+    adopt_pet_env(cfg.parallel)  # in a Kubeflow Trainer pod: nodes, rank, rendezvous from PET_*
     check_config(cfg)
     check_run_name(cfg)  # inside runs_root
     monitored = (*TRAIN_METRICS, *task.METRICS, *metric_names(cfg.trainer.ema))

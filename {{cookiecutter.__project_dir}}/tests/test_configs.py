@@ -57,10 +57,9 @@ def test_options_were_found():
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_option_composes_and_instantiates(group, option, compose_cfg, tmp_path):
     if group.startswith("hydra/"):
-        if (
-            group == "hydra/launcher"
-            and importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None
-        ):
+        if (group, option) == ("hydra/launcher", "slurm") and importlib.util.find_spec(
+            "hydra_plugins.hydra_submitit_launcher"
+        ) is None:
             pytest.skip("hydra-submitit-launcher is not installed (pip install '.[slurm]')")
         # The sampler and pruner groups live inside the Optuna sweeper's config.
         sweeper = ["hydra/sweeper=optuna"] if group.startswith("hydra/sweeper/") else []

@@ -7,6 +7,11 @@
   train.py``): SLURM made the processes. Their ranks, world size and
   rendezvous come from SLURM's environment (submitit's
   ``TorchDistributedEnvironment``); run here, never spawn again.
+- In a pod of Kubeflow Trainer's torch runtime (``hydra/launcher=k8s``): the
+  runtime sets ``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK``,
+  ``PET_MASTER_ADDR`` and ``PET_MASTER_PORT``, which ``torchrun`` reads as
+  its defaults; ``adopt_pet_env`` makes them the ``parallel`` keys, so
+  ``python train.py`` starts the same node's workers as ``torchrun`` would.
 - ``parallel=none``, or a world of one process: run here.
 - Otherwise (``python train.py parallel=ddp``): start ``num_processes`` workers
   on this node with torch's elastic launcher, the engine ``torchrun`` runs.
@@ -25,13 +30,14 @@ import os
 import signal
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from .config import ConfigError
 from .trust import literal
 
 log = logging.getLogger(__name__)
@@ -114,6 +120,63 @@ def adopt_slurm_ranks() -> None:
     os.environ.setdefault("SUBMITIT_EXECUTOR", "slurm")
     # Keep every GPU visible: accelerate picks cuda:LOCAL_RANK itself.
     TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
+# The torchrun contract of Kubeflow Trainer's torch runtime (pkg/constants/constants.go):
+# the parallel key each variable stands for, and what torchrun accepts in it.
+PET_KEYS = {
+    "PET_NNODES": ("num_nodes", "an integer >= 1"),
+    "PET_NPROC_PER_NODE": ("num_processes", "auto or an integer >= 1"),
+    "PET_NODE_RANK": ("node_rank", "an integer >= 0"),
+    "PET_MASTER_ADDR": ("master_addr", "a host name or address"),
+    "PET_MASTER_PORT": ("master_port", "a port number in 1..65535"),
+}
+
+
+def _pet_value(key: str, text: str) -> Any:
+    """The value of one PET_* variable for its parallel key; None if not allowed."""
+    if key == "master_addr":
+        return text or None
+    if key == "num_processes" and text == "auto":
+        return text
+    if not text.isdigit():
+        return None
+    number = int(text)
+    low, high = {"node_rank": (0, None), "master_port": (1, 65535)}.get(key, (1, None))
+    return number if number >= low and (high is None or number <= high) else None
+
+
+def adopt_pet_env(parallel: DictConfig, env: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """Set the ``parallel`` keys from the ``PET_*`` variables in ``env``, the way
+    ``torchrun`` takes its flags' defaults from them; returns what was set. Call
+    it before the keys are used (node 0's main process owns the run dir). A
+    value torchrun would not take, or more processes than ``parallel=none``
+    runs, stops the run (exit code 2)."""
+    raw = {var: env[var] for var in PET_KEYS if var in env}
+    values: dict[str, Any] = {}
+    for var, text in raw.items():
+        key, expected = PET_KEYS[var]
+        values[key] = _pet_value(key, text)
+        if values[key] is None:
+            raise ConfigError(f"{var}={text!r} is not allowed: expected {expected}")
+    if not values:
+        return {}
+    if parallel.mode == "none":  # one process: nothing to adopt, nothing to contradict
+        if values.get("num_nodes", 1) > 1 or values.get("num_processes", 1) not in (1, "auto"):
+            asked = " ".join(f"{var}={text}" for var, text in raw.items())
+            raise ConfigError(
+                f"parallel=none runs one process, but the environment asks for more ({asked}): "
+                "use parallel=ddp, fsdp or deepspeed"
+            )
+        return {}
+    for key, value in values.items():
+        parallel[key] = value
+    if env is os.environ and int(env.get("LOCAL_RANK", "0")) == 0:  # this process's, once a node
+        log.info(
+            "rendezvous from the PET_* environment (Kubeflow Trainer, torchrun): "
+            + " ".join(f"parallel.{key}={value}" for key, value in values.items())
+        )
+    return values
 
 
 def run(fn: Callable[[DictConfig, Path], Any], cfg: DictConfig, run_dir: Path) -> Any:
