@@ -440,7 +440,11 @@ def test_baked_project_tests_pass_in_shared_env(baked, name):
     env = {**os.environ, "PYTHONPATH": str(baked[name] / "src"), "TESTS_SKIP_MISSING_EXTRAS": "1"}
     # And the smoke test of the bake's own default (2 CPU processes for one_node/multi_node).
     smoke = "tests/test_train.py::test_smoke_run_writes_the_run_directory"
-    selected = ["-m", "not slow and not multiprocess", "tests/test_configs.py", smoke]
+    # eval.py with the bake's own parallel default: one process, the training's metrics
+    evaluated = (
+        "tests/test_lifecycle.py::test_eval_runs_one_process_and_equals_the_training_bit_for_bit"
+    )
+    selected = ["-m", "not slow and not multiprocess", "tests/test_configs.py", smoke, evaluated]
     if default_parallel(context_of(name)) == "fsdp":
         # The multi_node scope's defaults on its own first example: FSDP on the GPT.
         selected.append("tests/test_fsdp.py::test_multi_node_defaults_train_the_gpt_example")

@@ -32,18 +32,19 @@ def needs(group: str, option: str) -> list[str]:
     return [override for line in found for override in line.split()]
 
 
-def build_data(node):
-    """The data option's loaders. Only where TESTS_SKIP_MISSING_EXTRAS=1 says that
-    the environment lacks extras on purpose is an option whose package is missing
-    (data=hf without the hf extra) a skip."""
+def build(node):
+    """The object an option's node builds. Only where TESTS_SKIP_MISSING_EXTRAS=1 says
+    that the environment lacks extras on purpose is an option whose package is missing
+    (data=hf or model=hf without the hf extra) a skip."""
     try:
         return instantiate(node)
     except Exception as err:
         cause = err
         while cause is not None and not isinstance(cause, ImportError):
             cause = cause.__cause__
-        if cause is not None and os.environ.get("TESTS_SKIP_MISSING_EXTRAS") == "1":
-            pytest.skip(f"not installed here: {cause.name}")
+        missing = cause is not None or "pip install -e '.[" in str(err)
+        if missing and os.environ.get("TESTS_SKIP_MISSING_EXTRAS") == "1":
+            pytest.skip(f"not installed here: {getattr(cause, 'name', None) or err}")
         raise
 
 
@@ -78,10 +79,10 @@ def test_option_composes_and_instantiates(group, option, compose_cfg, tmp_path):
     check_config(resolved)
 
     # Build the real objects every run builds from this config.
-    model = instantiate(resolved.model)
+    model = build(resolved.model)
     optimizer = instantiate(resolved.optimizer)(task.param_groups(model))
     scheduler = instantiate(resolved.scheduler)(optimizer, total_steps=100)
-    loaders = build_data(resolved.data)
+    loaders = build(resolved.data)
     batch = next(iter(loaders.train))
     loss, logs = task.loss(model=model, batch=batch)  # the task's own loss of a real batch
     assert loss.ndim == 0 and torch.isfinite(loss) and all(v.ndim == 0 for v in logs.values())

@@ -49,6 +49,20 @@ def run_script(script: str, out_dir: Path, *overrides: str, check: bool = True):
     return proc
 
 
+def test_eval_runs_one_process_and_equals_the_training_bit_for_bit(tmp_path):
+    """With the bake's own parallel default (DDP in a one_node bake): eval.py runs one
+    process unless told otherwise, and its metrics are the training's, bit for bit
+    (task.evaluate averages per batch in the loader's order: any world size)."""
+    run = run_train(tmp_path / "run", *FAST, "data.val_batch_size=48", as_baked=True)
+    cmd = [sys.executable, "eval.py", f"hydra.run.dir={tmp_path / 'eval'}", f"ckpt={run.run_dir}"]
+    proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    report = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert report["world_size"] == 1
+    for name, value in report["metrics"].items():  # the step the best checkpoint saved at
+        assert value == recorded(run.run_dir, name)[report["step"]], name
+
+
 def recorded(run_dir: Path, name: str) -> dict[int, float]:
     """A metric's values by step, as the training run's metrics.csv logged them."""
     rows = csv.DictReader((run_dir / "metrics.csv").open())

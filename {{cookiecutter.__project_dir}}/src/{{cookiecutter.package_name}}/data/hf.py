@@ -56,13 +56,17 @@ def hf(
     val_batch_size: int = 512,
     num_workers: int = 0,
     pin_memory: bool | None = None,
+    vocab_size: int | None = None,
+    seq_len: int | None = None,
 ) -> DataLoaders:
     """``format`` reads ``train_files`` (and ``val_files``; null: a fixed
     ``val_fraction`` of the training rows, split with ``split_seed``). With
     ``format=disk``, ``train_files`` is a ``save_to_disk`` directory: a Dataset, or a
     DatasetDict whose ``train_split``/``val_split`` are used. ``inputs`` names the
     column (or a list of columns, stacked) the model is called with, ``targets`` the
-    column of what it predicts."""
+    column of what it predicts. Token columns: ``vocab_size`` and ``seq_len`` (the keys a
+    language model reads, ``+data.vocab_size=N +data.seq_len=T``) are checked against
+    the first rows: ids below ``vocab_size``, sequences of ``seq_len`` tokens."""
     if format not in FORMATS:
         hub = "/" in str(format) or str(format).isidentifier()
         raise ConfigError(
@@ -101,6 +105,7 @@ def hf(
         )
     for table in (train, val):
         table.set_format("torch", columns=[*columns, targets])
+    _check_tokens(train, columns[0], vocab_size, seq_len)
     return make_loaders(
         Columns(train, columns, targets),
         Columns(val, columns, targets),
@@ -113,6 +118,20 @@ def hf(
 
 
 hf.resume_may_change = (*LOADER_KEYS, "cache_dir")
+
+
+def _check_tokens(table: Any, column: str, vocab_size: int | None, seq_len: int | None) -> None:
+    """The values a language model reads from the data, against its first rows."""
+    if vocab_size is None and seq_len is None:
+        return
+    rows = table[: min(len(table), 256)][column]
+    rows = rows if isinstance(rows, torch.Tensor) else torch.stack(list(rows))
+    if vocab_size is not None:
+        largest = int(rows.max())
+        require("data.vocab_size", vocab_size, largest < vocab_size, f"more than the id {largest}")
+    if seq_len is not None:
+        length = rows.shape[-1]
+        require("data.seq_len", seq_len, length == seq_len, f"the {length} tokens of a row")
 
 
 def _load(datasets, format, train_files, val_files, train_split, val_split, cache_dir):
