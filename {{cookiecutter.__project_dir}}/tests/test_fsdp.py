@@ -232,7 +232,8 @@ def test_the_task_reads_the_logits_of_an_output_object():
     needs_transformers()
     model = gpt2(vocab_size=32, seq_len=16)
     batch = (torch.randint(0, 32, (2, 16)), torch.randint(0, 32, (2, 16)))
-    assert task.loss(model=model, batch=batch).ndim == 0
+    loss, logs = task.loss(model=model, batch=batch)
+    assert loss.ndim == 0 and logs["acc"].ndim == 0
     assert task.predict(model=model, batch=batch).shape == (2, 16)
     with pytest.raises(TypeError, match="returned dict: expected a tensor of logits"):
         task.logits({"scores": torch.zeros(2)})

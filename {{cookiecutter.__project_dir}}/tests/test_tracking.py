@@ -30,6 +30,7 @@ from .conftest import FAST, ONE_PROCESS, PROJECT_ROOT, require_trackers
 ALL = "tracker=[csv,tensorboard,wandb,mlflow]"
 LOGGED = {
     "train/loss",
+    "train/acc",  # task.loss's log, averaged over the log window
     "train/lr",
     "train/grad_norm",
     "train/epoch",
