@@ -234,8 +234,9 @@ def test_the_task_reads_the_logits_of_an_output_object():
     batch = (torch.randint(0, 32, (2, 16)), torch.randint(0, 32, (2, 16)))
     loss, logs = task.loss(model=model, batch=batch)
     assert loss.ndim == 0 and logs["acc"].ndim == 0
-    assert task.predict(model=model, batch=batch).shape == (2, 16)
-    with pytest.raises(TypeError, match="returned dict: expected a tensor of logits"):
+    predicted = task.predict(model=model, batch=batch)  # an LM's: per sequence
+    assert predicted["loss"].shape == predicted["perplexity"].shape == (2,)
+    with pytest.raises(TypeError, match="returned dict; task.py expects logits"):
         task.logits({"scores": torch.zeros(2)})
 
 
