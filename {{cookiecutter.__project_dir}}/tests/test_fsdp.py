@@ -236,7 +236,7 @@ def test_the_task_reads_the_logits_of_an_output_object():
     assert loss.ndim == 0 and logs["acc"].ndim == 0
     predicted = task.predict(model=model, batch=batch)  # an LM's: per sequence
     assert predicted["loss"].shape == predicted["perplexity"].shape == (2,)
-    with pytest.raises(TypeError, match="returned dict; task.py expects logits"):
+    with pytest.raises(TypeError, match=r"returned dict; task\.py expects logits"):
         task.logits({"scores": torch.zeros(2)})
 
 
