@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from {{ cookiecutter.package_name }} import task
 from {{ cookiecutter.package_name }}.engine.accel import build_accelerator, weights_fingerprint
+from {{ cookiecutter.package_name }}.engine.agreement import StepAgreement
 from {{ cookiecutter.package_name }}.engine.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -163,7 +164,6 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
     # --- the state; checkpoints: resume where an earlier run of this run dir stopped --
     book = MetricBook(cfg.trainer.monitor, cfg.trainer.monitor_mode)
     clock = RunClock()  # training time of the whole run, across resumes
-    guard = LossGuard(cfg.trainer.on_nan, accelerator)  # NaN/inf loss: stop or skip
     state = TrainState(
         model=model,
         optimizer=optimizer,
@@ -173,14 +173,16 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
         # saved in checkpoints: trainer_state.json (tensors: <name>.safetensors)
         stateful={"metrics": book, "clock": clock, "early_stopping": stopper, **ema.stateful},
     )
-    # SIGTERM/SIGUSR1/SIGUSR2/Ctrl-C: save at the next step boundary, then exit (checkpoints on)
+    # What the ranks agree on, in one all-reduce when due (agreement.py): a NaN/inf loss
+    # (trainer.on_nan: stop or skip) and a stop signal (SIGTERM/SIGUSR1/SIGUSR2/Ctrl-C:
+    # save at the next agreed step boundary, then exit; checkpoints on)
     ck = cfg.checkpoint
-    # Under DDP the ranks agree on a signal in the guard's all-reduces: at log steps
-    # (on_nan=stop) or every step (on_nan=skip), never in an all-reduce of its own per step.
-    signals = StopSignals(
+    guard = LossGuard(cfg.trainer.on_nan, accelerator)
+    signals = StopSignals(enabled=ck.enabled and ck.get("save_on_signal", True))
+    agreement = StepAgreement(
         accelerator=accelerator,
-        enabled=ck.enabled and ck.get("save_on_signal", True),
         guard=guard,
+        signals=signals,
         every_n_steps=cfg.trainer.log_every_n_steps,
     )
     ckpt = CheckpointManager(
@@ -189,7 +191,7 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
         run_dir=run_dir,
         accelerator=accelerator,
         state=state,
-        guard=guard,  # checked before every save: no checkpoint after a NaN
+        agreement=agreement,  # before every save: no checkpoint after a NaN
         timeout_s=cfg.parallel.get("timeout_s") or 1800,
     )
     start_at = ckpt.resume()  # step/epoch/batch 0 unless resuming; restores every state
@@ -223,7 +225,7 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
     window = WindowMeans(accelerator)  # train/loss and task.loss's logs: summed on the device
     grad_norm = torch.zeros(())
     data = None  # the latest batch (its size counts the summary's samples and tokens)
-    stop = False  # a stop signal reached some rank (signals.poll_stop, once per step)
+    stop = False  # the ranks agreed that a stop signal came (agreement.at_step)
     clock.start()
     debug.start()
     model.train()
@@ -237,7 +239,11 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
         )
         for batch, data in enumerate(batches, start=done + 1):
             loss, logs, norm = optimizer_step(
-                accelerator=accelerator, state=state, batch=data, guard=guard, clip_norm=clip_norm
+                accelerator=accelerator,
+                state=state,
+                batch=data,
+                agreement=agreement,
+                clip_norm=clip_norm,
             )
             grad_norm = grad_norm if norm is None else norm
             window.add(loss, logs)
@@ -269,7 +275,9 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
                 book.update(metrics, step, require_monitor=book.monitor.startswith("train/"))
                 accelerator.log(metrics, step=step)
                 progress.report(step, metrics)
-                guard.check(step)  # on_nan=stop: raise, naming the first bad step
+
+            # every rank: a NaN/inf loss stops here (naming its step); a stop signal agreed
+            stop = agreement.at_step(step)
 
             if step % eval_every == 0 or step == total_steps:
                 with clock.excluded("eval"):
@@ -280,7 +288,6 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
                 progress.report(step, metrics)
                 stopper.observe(metrics, step)  # trainer.early_stopping: patience runs out?
 
-            stop = signals.poll_stop(step)  # every rank, every step (agreed at most once a step)
             # every N steps/epochs, a new best, after a stop signal
             with clock.excluded("ckpt_blocking"):
                 ckpt.maybe_save(
@@ -291,11 +298,10 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
                 break
     debug.finish()
     progress.close()
-    guard.check(step)
-    stop = signals.poll_stop(step, final=True)  # every rank agrees on how the loop ended
+    stop = agreement.at_step(step, final=True)  # every rank agrees on how the loop ended
     with clock.excluded("ckpt_blocking"):
         ckpt.finish(metrics=book.last, stop=stop)  # the last checkpoint
-    signals.finish(saved=ckpt.last_saved)  # after a stop signal: exit (SLURM: requeue)
+    signals.finish(stopped=stop, saved=ckpt.last_saved)  # a stop: exit (SLURM: requeue)
 
     # --- summary and final weights -----------------------------------------------------
     wall = clock.elapsed()

@@ -12,6 +12,7 @@ import xxhash
 from accelerate import Accelerator
 from safetensors.torch import save
 
+from {{ cookiecutter.package_name }}.engine.agreement import StepAgreement
 from {{ cookiecutter.package_name }}.engine.checkpoint import CheckpointManager, folder
 from {{ cookiecutter.package_name }}.engine.checkpoint import format as fmt
 from {{ cookiecutter.package_name }}.engine.config import (
@@ -217,54 +218,64 @@ def test_best_rule_reads_the_metrics_passed_in(tmp_path):
     assert best == {"step": 2, "path": "step_0000002", "monitor": "val/acc", "value": 0.5}
 
 
-def test_a_stop_signal_is_acted_on_by_poll_stop_and_finish():
+def agreement(on_nan: str = "stop", signals: bool = False, every: int = 5) -> StepAgreement:
+    """The loop's agreement (agreement.py) on one process: the same answers, no collective."""
+    accelerator = Accelerator(cpu=True)
+    return StepAgreement(
+        accelerator=accelerator,
+        guard=LossGuard(on_nan, accelerator),
+        signals=StopSignals(enabled=signals),
+        every_n_steps=every,
+    )
+
+
+def test_a_stop_signal_is_acted_on_at_the_next_step_and_by_finish():
     import signal
 
-    signals = StopSignals(accelerator=Accelerator(cpu=True), enabled=True)
-    assert signals.poll_stop(1) is False
+    agreed = agreement(signals=True, every=1)
+    assert agreed.at_step(1) is False
     signal.raise_signal(signal.SIGUSR1)
-    assert signals.poll_stop(2) is True and signals.stopped
+    assert agreed.at_step(2) is True and agreed.signals.seen
     with pytest.raises(TrainingInterrupted) as err:
-        signals.finish(saved=Path("/x/step_0000002"))
+        agreed.signals.finish(stopped=True, saved=Path("/x/step_0000002"))
     assert err.value.exit_code == 138 and "checkpoint saved at /x/step_0000002" in str(err.value)
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the old handler is back
-    assert StopSignals(accelerator=Accelerator(cpu=True), enabled=False).poll_stop(1) is False
+    assert agreement(signals=False, every=1).at_step(1) is False
 
 
 @pytest.mark.parametrize("fold_at", [1024, 4, 1])
 @pytest.mark.parametrize(("accum", "bad_micro"), [(1, 6), (3, 6), (3, 14), (2, 19), (2, None)])
 def test_loss_guard_names_the_first_bad_step(accum, bad_micro, fold_at):
-    """on_nan=stop, as the loop drives it: checked at steps 5 and 10 (log steps),
+    """on_nan=stop, as the loop drives it: agreed at steps 5 and 10 (log steps),
     folded every `fold_at` micro-batches: the error names the optimizer step of
     the first non-finite micro-batch loss, at the first check after it."""
-    guard = LossGuard("stop", Accelerator(cpu=True))
-    guard.FOLD_AT = fold_at
+    agreed = agreement("stop")
+    agreed.guard.FOLD_AT = fold_at
     expected = None if bad_micro is None else bad_micro // accum + 1
     micro, raised_at = 0, None
     for step in range(1, 11):
         for _ in range(accum):
-            guard.observe(torch.tensor(float("nan") if micro == bad_micro else 0.5))
+            agreed.guard.observe(torch.tensor(float("nan") if micro == bad_micro else 0.5))
             micro += 1
-        assert guard.agree_on_update()  # stop mode never drops an update
-        if step % 5 == 0:
-            try:
-                guard.check(step)
-            except NonFiniteLoss as err:
-                assert f"not finite (NaN/inf) at step {expected};" in str(err)
-                raised_at = step
-                break
+        assert agreed.on_update()  # stop mode never drops an update
+        try:
+            agreed.at_step(step)  # a check only at the log steps (every 5)
+        except NonFiniteLoss as err:
+            assert f"not finite (NaN/inf) at step {expected};" in str(err)
+            raised_at = step
+            break
     assert raised_at == (None if expected is None else 5 * -(-expected // 5))
 
 
 def test_loss_guard_skip_mode_drops_exactly_the_bad_steps():
-    guard = LossGuard("skip", Accelerator(cpu=True))
+    agreed = agreement("skip")
     decisions = []
     for micro_losses in ([1.0, 1.0], [1.0, float("inf")], [float("nan"), 1.0], [2.0, 2.0]):
         for loss in micro_losses:
-            guard.observe(torch.tensor(loss))
-        decisions.append(guard.agree_on_update())
-    assert decisions == [True, False, False, True] and guard.skipped == 2
-    guard.check(4)  # skip mode: a check never raises
+            agreed.guard.observe(torch.tensor(loss))
+        decisions.append(agreed.on_update())
+    assert decisions == [True, False, False, True] and agreed.guard.skipped == 2
+    agreed.at_step(4, final=True)  # skip mode: a check never raises
 
 
 def test_streamed_safetensors_read_back_by_safetensors_bit_for_bit(tmp_path):

@@ -256,7 +256,9 @@ def test_the_loop_step_is_accelerates_step_bit_for_bit():
     from accelerate import Accelerator
 
     from {{ cookiecutter.package_name }} import task
+    from {{ cookiecutter.package_name }}.engine.agreement import StepAgreement
     from {{ cookiecutter.package_name }}.engine.nonfinite import LossGuard
+    from {{ cookiecutter.package_name }}.engine.preemption import StopSignals
     from {{ cookiecutter.package_name }}.engine.state import TrainState, optimizer_step
 
     torch.manual_seed(0)
@@ -266,11 +268,16 @@ def test_the_loop_step_is_accelerates_step_bit_for_bit():
     ours_opt = accelerator.prepare(torch.optim.AdamW(ours.parameters(), lr=0.1))
     theirs_opt = accelerator.prepare(torch.optim.AdamW(theirs.parameters(), lr=0.1))
     state = TrainState(ours, ours_opt, None, train_loader=[], val_loader=[])
-    guard = LossGuard("stop", accelerator)
+    guard = StepAgreement(
+        accelerator=accelerator,
+        guard=LossGuard("stop", accelerator),
+        signals=StopSignals(enabled=False),
+        every_n_steps=4,
+    )
     for step in range(4):
         batch = [torch.randn(32, 8) * (10 if step == 1 else 1), torch.randint(0, 3, (32,))]
         loss, _, norm = optimizer_step(
-            accelerator=accelerator, state=state, batch=batch, guard=guard, clip_norm=0.1
+            accelerator=accelerator, state=state, batch=batch, agreement=guard, clip_norm=0.1
         )
         with accelerator.accumulate(theirs):
             their_loss, _ = task.loss(model=theirs, batch=batch)
@@ -280,6 +287,6 @@ def test_the_loop_step_is_accelerates_step_bit_for_bit():
             theirs_opt.zero_grad(set_to_none=True)
         assert torch.equal(loss, their_loss) and torch.equal(norm, their_norm)
         assert norm > 0.1  # clipping really happened
-    guard.check(4)
+    guard.at_step(4)
     for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
         assert torch.equal(a, b) and a.grad is None and b.grad is None

@@ -179,8 +179,9 @@ def _tell(study: Any, trial: Any, ret: Any) -> Any:
     from optuna.trial import TrialState
 
     from {{ cookiecutter.package_name }}.engine.pruning import is_pruned
+    from {{ cookiecutter.package_name }}.engine.upstream import job_result
 
-    error = ret._return_value if ret.status.name == "FAILED" else None
+    error = job_result(ret) if ret.status.name == "FAILED" else None
     if error is not None:
         pruned = is_pruned(error) or "pruned_at_step" in _stored(study, trial).user_attrs
         if pruned:
@@ -188,7 +189,7 @@ def _tell(study: Any, trial: Any, ret: Any) -> Any:
             log.info(f"trial {trial.number} pruned")
             return TrialState.PRUNED
         return _fail(study, trial, f"{type(error).__name__}: {error}")
-    value = ret._return_value
+    value = job_result(ret)
     if not isinstance(value, int | float) or not math.isfinite(value):
         return _fail(study, trial, f"the run returned {value!r}, not a finite number")
     study.tell(trial, float(value))

@@ -1,16 +1,13 @@
 """Build the Accelerator from the config: parallel mode, precision,
 accumulation, trackers; and refuse the silent fallbacks accelerate allows."""
 
-import functools
 import hashlib
 import logging
 from datetime import timedelta
 from pathlib import Path
 
-import accelerate.optimizer
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import (
     DataLoaderConfiguration,
     DeepSpeedPlugin,
@@ -21,7 +18,7 @@ from accelerate.utils import (
 )
 from omegaconf import DictConfig
 
-from . import fsdp
+from . import fsdp, upstream
 from .config import PARALLEL_MODES, ConfigError
 from .launch import LaunchError, expected_world_size, under_launcher
 from .tracking import build_trackers
@@ -85,7 +82,7 @@ def build_accelerator(cfg: DictConfig, run_dir: Path) -> Accelerator:
     )
     if why and accelerator.is_main_process:  # trainer.mixed_precision=auto: say what it chose
         log.info(f"trainer.mixed_precision=auto: {precision} ({why})")
-    _cache_per_step_package_checks()
+    upstream.cache_lomo_check()  # asked on every step by accelerate's optimizer wrapper
     if fsdp_plugin is not None and accelerator.distributed_type != DistributedType.FSDP:
         _use_fsdp_where_accelerate_does_not(accelerator, fsdp_plugin)
     wanted = {"fsdp": DistributedType.FSDP, "deepspeed": DistributedType.DEEPSPEED}.get(p.mode)
@@ -128,16 +125,6 @@ def resolve_precision(requested: str | bool, on_cpu: bool) -> tuple[str, str]:
     if torch.cuda.is_bf16_supported(including_emulation=False):
         return "bf16", f"{name} supports it"
     return "no", f"{name} has no bf16: fp32"
-
-
-def _cache_per_step_package_checks() -> None:
-    """accelerate's optimizer wrapper asks importlib twice per ``step()``
-    whether the optional ``lomo_optim`` package is installed (a search of
-    sys.path each time: ~0.1-0.4 ms per step, several % of a small model's
-    step). The answer cannot change during a run: ask once."""
-    check = getattr(accelerate.optimizer, "is_lomo_available", None)
-    if check is not None and not hasattr(check, "cache_info"):
-        accelerate.optimizer.is_lomo_available = functools.cache(check)
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
@@ -214,8 +201,6 @@ def _use_fsdp_where_accelerate_does_not(
     and save_state take accelerate's own, unmodified FSDP2 code path, the one they
     take on several GPUs. Used for CPU runs, CI and one-process FSDP."""
     if torch.distributed.is_initialized():
-        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-        AcceleratorState._shared_state["distributed_type"] = DistributedType.FSDP
-        AcceleratorState._shared_state["fsdp_plugin"] = plugin
+        upstream.switch_accelerate_to_fsdp(plugin)
         if accelerator.mixed_precision != "no":  # as accelerate does on GPUs
             plugin.set_mixed_precision(accelerator.mixed_precision)

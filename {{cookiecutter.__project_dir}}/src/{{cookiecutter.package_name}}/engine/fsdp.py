@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import upstream
 from .checkpoint import ties
 from .config import ConfigError
 
@@ -138,7 +139,7 @@ def _by_size(model: nn.Module, min_params: int, ties: list[list[str]]) -> list[s
 
 
 def _no_split_classes(model: nn.Module) -> set[str]:
-    return set(getattr(model, "_no_split_modules", None) or ())
+    return upstream.no_split_modules(model)
 
 
 def plan_units(model: nn.Module, *, wrap_classes: list[str] | None, min_params: int) -> Plan:
@@ -231,7 +232,6 @@ def shard_model(model: nn.Module, *, accelerator: Any, parallel: Any) -> nn.Modu
     the optimizer is built. Any other mode: the model as it is."""
     if not getattr(accelerator, "is_fsdp2", False):
         return model
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
@@ -256,7 +256,7 @@ def shard_model(model: nn.Module, *, accelerator: Any, parallel: Any) -> nn.Modu
         if checkpointed and name in checkpointed:
             # torch's wrapper (as torchtitan's and accelerate's); preserve_rng_state:
             # the recompute draws the same dropout masks as the forward did.
-            unit = checkpoint_wrapper(unit, preserve_rng_state=True)
+            unit = upstream.checkpoint_wrapper(unit)
             model.set_submodule(name, unit)
         fully_shard(
             unit,

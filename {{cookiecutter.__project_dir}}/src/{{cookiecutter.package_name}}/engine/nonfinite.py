@@ -4,13 +4,13 @@
   first optimizer step whose loss was not finite. No checkpoint is written after
   that step, so the newest checkpoint is the last good one. Detection costs no
   host sync and no collective per step: each rank keeps its flag on the device;
-  ``check`` (log steps, before every checkpoint save, the end) reads it, under
-  several processes in one all-reduce that also carries the stop signal.
+  the ranks agree on it at log steps, before every checkpoint save and at the end
+  (agreement.py: one all-reduce that also carries the stop signal).
 - ``skip``: an optimizer step whose loss was not finite is dropped (its
   gradients are zeroed, the optimizer does not step) and counted. Deciding to
   drop needs the flag on the host, so this mode reads it once per optimizer step
   (not per micro-batch), as a GradScaler does; under several processes that is
-  the step's one all-reduce, and the stop signal rides along (preemption.py).
+  the step's one all-reduce (agreement.py), and the stop signal rides along.
 
 The count of skipped steps is saved in checkpoints (``trainer_state.json``) and
 reported in ``summary.json`` as ``skipped_nan_steps``. README: "Checkpoints and resuming".
@@ -35,6 +35,9 @@ class NonFiniteLoss(RuntimeError):
 
 
 class LossGuard:
+    """This rank's losses: a flag per micro-batch, kept on the device; the ranks agree
+    on them in agreement.py's all-reduce, which calls ``check``."""
+
     # Stop mode keeps one flag per micro-batch (``torch.isfinite(loss)``: one op, on
     # the device) and the micro-batch count at each optimizer step's end (host ints);
     # ``_fold`` turns them into the first bad step at a check. Per step that is one
@@ -53,42 +56,34 @@ class LossGuard:
         self._all_ok = torch.ones((), dtype=torch.bool, device=device)  # folded: all good
         self._ok_steps = torch.zeros((), dtype=torch.int64, device=device)  # before a bad one
         self._checked_step = 0
-        # The stop signal rides along this guard's all-reduces (StopSignals sets
-        # ``signal``): ``peer_signal`` is the largest any rank had at ``agreed_step``.
-        self.signal: Any = lambda: 0
-        self.peer_signal = 0
-        self.agreed_step: int | None = None  # the step of the last check's all-reduce
 
     def observe(self, loss: torch.Tensor) -> None:
         """Every micro-batch; stays on the device."""
         finite = torch.isfinite(loss.detach())
         self._flags.append(finite if finite.dim() == 0 else finite.all())
 
-    def agree_on_update(self) -> bool:
-        """At each optimizer step, on every rank: True when the update may be
-        applied, False when it must be dropped (skip mode). Skip mode under
-        several processes: one all-reduce (the NaN flags and the stop signal), so
-        all ranks take the same decision. Stop mode: no collective, no host sync."""
-        if self.mode == "skip":
-            flags, self._flags = self._flags, []
-            ok = flags[0] if len(flags) == 1 else torch.stack(flags).all()
-            if self.accelerator.num_processes > 1:
-                flags = torch.stack([(~ok).to(torch.int64), self._signal_tensor()])
-                bad, self.peer_signal = self.accelerator.reduce(flags, "max").tolist()
-                ok = not bad
-            if not bool(ok):  # one host sync per optimizer step
-                self.skipped += 1
-                if self.skipped <= 10 or self.skipped % 100 == 0:
-                    log.warning(
-                        f"loss not finite: update dropped (trainer.on_nan=skip), "
-                        f"{self.skipped} dropped so far"
-                    )
-                return False
-            return True
+    def end_step(self) -> None:
+        """Stop mode, at each optimizer step's end: no collective, no host sync."""
         self._ends.append(len(self._flags))
         if len(self._flags) >= self.FOLD_AT:
             self._fold()
-        return True
+
+    def step_not_finite(self) -> torch.Tensor:
+        """Skip mode: whether any micro-batch of this optimizer step was not finite."""
+        flags, self._flags = self._flags, []
+        ok = flags[0] if len(flags) == 1 else torch.stack(flags).all()
+        return ~ok
+
+    def applied(self, ok: bool) -> bool:
+        """Skip mode: the agreed decision for this step's update; a dropped one is counted."""
+        if not ok:
+            self.skipped += 1
+            if self.skipped <= 10 or self.skipped % 100 == 0:
+                log.warning(
+                    f"loss not finite: update dropped (trainer.on_nan=skip), "
+                    f"{self.skipped} dropped so far"
+                )
+        return ok
 
     def _fold(self) -> None:
         """Stop mode, at a step boundary: the flags since the last fold into
@@ -106,20 +101,14 @@ class LossGuard:
         self._all_ok &= flags.all()
         self._flags, self._ends = self._flags[done:], []
 
-    def check(self, step: int) -> None:
-        """Raise NonFiniteLoss naming the first bad step (stop mode); one host
-        sync. Under several processes a collective (every rank calls it at the
-        same step): one all-reduce agrees on the first bad step of any rank and
-        carries the stop signal (``peer_signal``)."""
+    def local_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a loss was not finite since the last check, good steps before it), this rank's."""
         self._fold()
-        bad, ok_steps = ~self._all_ok, self._ok_steps
-        if self.mode == "stop" and self.accelerator.num_processes > 1:
-            # max of -(good steps) over the ranks that saw a bad one: its first bad step
-            first = torch.where(bad, -ok_steps, torch.full_like(ok_steps, -(2**62)))
-            flags = torch.stack([bad.to(torch.int64), first, self._signal_tensor()])
-            any_bad, first_neg, self.peer_signal = self.accelerator.reduce(flags, "max").tolist()
-            self.agreed_step = step
-            bad, ok_steps = any_bad, -first_neg
+        return ~self._all_ok, self._ok_steps
+
+    def check(self, step: int, bad: torch.Tensor, ok_steps: torch.Tensor) -> None:
+        """With the agreed ``bad`` and ``ok_steps`` (agreement.py): raise NonFiniteLoss
+        naming the first bad step (stop mode); one host sync."""
         if self.mode == "stop" and bool(bad):
             first_bad = self._checked_step + int(ok_steps) + 1
             raise NonFiniteLoss(
@@ -129,9 +118,6 @@ class LossGuard:
             )
         self._checked_step = step
         self._ok_steps.zero_()
-
-    def _signal_tensor(self) -> torch.Tensor:
-        return torch.tensor(self.signal(), dtype=torch.int64).to(self.accelerator.device)
 
     def state_dict(self) -> dict[str, Any]:
         return {"skipped_nan_steps": self.skipped, "checked_step": self._checked_step}

@@ -1,16 +1,12 @@
-"""Stop signals: the handlers, the stop decision (``poll_stop``), the hand-on to a
-handler installed before ours (submitit's requeue), and the exit codes.
+"""Stop signals: the handlers, the hand-on to a handler installed before ours
+(submitit's requeue), and the exit codes.
 
-SIGTERM, SIGUSR1, SIGUSR2 and Ctrl-C set a flag; at the next step boundary the
-run saves a checkpoint and exits with 128 + signal number (143, 138, 140, 130).
-A second Ctrl-C stops at once. README: "Checkpoints and resuming".
-
-One process: the flag is read at every step boundary. Several: a signal may
-reach one rank only, so the ranks agree in an all-reduce, and never one of its
-own per step: with ``trainer.on_nan=skip`` the flag rides along the step's NaN
-all-reduce (every step); with ``on_nan=stop`` it rides along the loss guard's
-check at log steps (every ``every_n_steps``, ``trainer.log_every_n_steps``),
-so a stop takes effect at most ``every_n_steps - 1`` steps after the signal.
+SIGTERM, SIGUSR1, SIGUSR2 and Ctrl-C set a flag; at the next step boundary where the
+ranks agree on it (agreement.py: every step with one process or ``trainer.on_nan=skip``,
+else every ``trainer.log_every_n_steps`` steps: a signal may reach one rank only, and
+it rides along the loss guard's all-reduce, never one of its own) the run saves a
+checkpoint and exits with 128 + signal number (143, 138, 140, 130). A second Ctrl-C
+stops at once. docs/checkpoints.md.
 """
 
 import contextlib
@@ -18,8 +14,6 @@ import logging
 import signal
 from pathlib import Path
 from typing import Any
-
-import torch
 
 log = logging.getLogger(__name__)
 
@@ -37,19 +31,13 @@ class TrainingInterrupted(RuntimeError):
 
 
 class StopSignals:
-    """Catches the stop signals (when ``enabled``: ``checkpoint.save_on_signal``
-    with checkpoints on) from construction until ``finish``."""
+    """Catches the stop signals (when ``enabled``: ``checkpoint.save_on_signal`` with
+    checkpoints on) from construction until ``finish``; ``signum``: the first one this
+    rank saw, or that the ranks agreed another rank saw (agreement.py)."""
 
-    def __init__(
-        self, *, accelerator: Any, enabled: bool, guard: Any = None, every_n_steps: int = 1
-    ) -> None:
-        self.accelerator = accelerator
+    def __init__(self, *, enabled: bool) -> None:
         self.enabled = enabled
-        self.signum: int | None = None  # the first signal seen (any rank, once polled)
-        self.every_n_steps = every_n_steps
-        self.guard = guard  # a LossGuard whose all-reduces carry the flag
-        if guard is not None:
-            guard.signal = lambda: self.signum or 0
+        self.signum: int | None = None
         self._old_handlers: dict[int, Any] = {}
         if enabled:
             for signum in EXIT_SIGNAL:
@@ -58,44 +46,23 @@ class StopSignals:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.signum is None:
-            self.signum = signum  # acted on at the next step boundary
+            self.signum = signum  # acted on at the next agreed step boundary
         elif signum == signal.SIGINT:  # a second Ctrl-C: stop now, without saving
             signal.default_int_handler(signum, frame)
 
-    def poll_stop(self, step: int, *, final: bool = False) -> bool:
-        """Should the run stop at this step boundary? True once a stop signal
-        reached any rank. Under several processes every rank calls it once per
-        step, at the same place in the loop; the ranks agree at most once per
-        step (module docstring): from the guard's all-reduce of this step, or,
-        every ``every_n_steps`` steps without one (and when ``final``: after the
-        loop, so that every rank agrees on how it ended), an all-reduce of its own."""
-        if not self.enabled:
-            return False  # no handlers on any rank: a signal stops the process itself
-        if self.accelerator.num_processes == 1:
-            return self.signum is not None
-        guard = self.guard
-        if not final and guard is not None and (guard.mode == "skip" or guard.agreed_step == step):
-            flag = guard.peer_signal  # agreed in this step's NaN all-reduce
-        elif final or step % self.every_n_steps == 0:
-            flag = torch.tensor([self.signum or 0], device=self.accelerator.device)
-            flag = int(self.accelerator.reduce(flag, "max"))  # a signal may reach one rank only
-        else:
-            return False  # agreed on only every every_n_steps steps: the same on every rank
-        if flag and self.signum is None:
-            self.signum = flag
-        return bool(flag)
-
     @property
-    def stopped(self) -> bool:
-        """A stop signal was seen on this rank (local: no collective)."""
+    def seen(self) -> bool:
+        """A stop signal was seen on this rank, or agreed on (local: no collective)."""
         return self.signum is not None
 
-    def finish(self, *, saved: Path | None) -> None:
+    def finish(self, *, stopped: bool, saved: Path | None) -> None:
         """After the loop and its last checkpoint: restore the previous handlers;
-        after a stop signal, run the previous handler (submitit requeues the job)
-        and raise TrainingInterrupted naming the checkpoint ``saved``."""
+        when the ranks agreed on a stop (``stopped``: every rank alike), run the
+        previous handler (submitit requeues the job) and raise TrainingInterrupted
+        naming the checkpoint ``saved``. A signal after that agreement finds the run
+        done: nothing is left to stop."""
         try:
-            if self.signum is not None:
+            if stopped and self.signum is not None:
                 self._hand_signal_on()
                 raise TrainingInterrupted(self.signum, saved)
         finally:

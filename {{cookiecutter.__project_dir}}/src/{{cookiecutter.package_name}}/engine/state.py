@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
 from .. import task
+from . import upstream
 from .batch_means import loss_and_logs
 
 
@@ -52,23 +52,24 @@ def optimizer_step(
     accelerator: Any,
     state: TrainState,
     batch: Any,
-    guard: Any,
+    agreement: Any,
     clip_norm: float | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
     """One micro-batch: loss (task.py), backward, the NaN guard; when the
-    accumulation is complete also clipping, the optimizer step (unless the guard
-    drops it) and zero_grad. Returns (loss, the task's logs, grad norm or None). A collective
-    under DDP/FSDP: every rank calls it with its own batch."""
+    accumulation is complete also clipping, the optimizer step (unless the ranks
+    agree to drop it: agreement.on_update) and zero_grad. Returns (loss, the task's
+    logs, grad norm or None). A collective under DDP/FSDP: every rank calls it with
+    its own batch."""
     model, optimizer = state.model, state.optimizer
     grad_norm = None
     with _accumulation(accelerator, model):
         loss, logs = loss_and_logs(task.loss(model=model, batch=batch))
         accelerator.backward(loss)
-        guard.observe(loss)
+        agreement.guard.observe(loss)
         if accelerator.sync_gradients:
             if clip_norm:
                 grad_norm = clip_grad_norm(accelerator, model, clip_norm)
-            if guard.agree_on_update():  # on_nan=skip drops a non-finite update
+            if agreement.on_update():  # on_nan=skip drops a non-finite update
                 optimizer.step()
             zero_grad(optimizer)
     return loss, logs, grad_norm
@@ -128,7 +129,8 @@ def zero_grad(optimizer: Any) -> None:
     is called directly. Its subclasses (DeepSpeed's, whose engine zeroes its own
     buffers) keep their own ``zero_grad``."""
     inner = getattr(optimizer, "optimizer", None)
-    if type(optimizer) is AcceleratedOptimizer and _takes_set_to_none(type(inner).zero_grad):
+    plain = upstream.is_plain_accelerated_optimizer(optimizer)
+    if plain and _takes_set_to_none(type(inner).zero_grad):
         inner.zero_grad(set_to_none=True)
     else:
         optimizer.zero_grad(set_to_none=True)

@@ -26,7 +26,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from . import trust
+from . import trust, upstream
 from .launch import global_rank
 from .pruning import is_pruned
 from .run_dir import RunDirError, save_hydra_files, write_json_atomic, write_text_atomic
@@ -42,17 +42,17 @@ class SweepSummary(Callback):
         if config.hydra.mode != RunMode.MULTIRUN or global_rank() != 0:
             return
         run_dir = Path(config.hydra.runtime.output_dir)
-        if isinstance(job_return._return_value, RunDirError):
+        if isinstance(upstream.job_result(job_return), RunDirError):
             return  # another run's directory: not this job's to write into
         if not (run_dir / ".hydra" / "overrides.yaml").exists():  # failed before its claim
             run_dir.mkdir(parents=True, exist_ok=True)
             task_cfg = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
             save_hydra_files(run_dir, task_cfg)
         failed = job_return.status == JobStatus.FAILED
-        error = " ".join(str(job_return._return_value).split()) if failed else ""
+        error = " ".join(str(upstream.job_result(job_return)).split()) if failed else ""
         outcome = "completed"
         if failed:
-            outcome = "pruned" if is_pruned(job_return._return_value) else "failed"
+            outcome = "pruned" if is_pruned(upstream.job_result(job_return)) else "failed"
         status = {"status": outcome, "error": error[:300]}
         write_json_atomic(run_dir / STATUS_FILE, status)
         write_sweep_summary(Path(config.hydra.sweep.dir))

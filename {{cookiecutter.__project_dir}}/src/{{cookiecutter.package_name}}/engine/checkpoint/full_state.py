@@ -18,6 +18,7 @@ from safetensors.torch import save as save_safetensors
 from torch.nn import DataParallel
 from torch.nn.parallel import DistributedDataParallel
 
+from .. import upstream
 from . import format as fmt
 from . import sharded, ties
 
@@ -76,8 +77,8 @@ def plain_model(accelerator: Any, model: torch.nn.Module) -> torch.nn.Module:
     while True:
         if isinstance(model, wrappers):
             model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile
-            model = model._orig_mod
+        elif upstream.compiled_original(model) is not None:  # torch.compile's wrapper
+            model = upstream.compiled_original(model)
         else:
             return model
 

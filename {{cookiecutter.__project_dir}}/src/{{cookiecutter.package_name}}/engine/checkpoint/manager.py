@@ -35,8 +35,8 @@ class CheckpointManager:
     """Saves and resumes ``state`` (a TrainState) under ``<run_dir>/checkpoints``.
 
     ``checkpoint`` is ``cfg.checkpoint``; ``config`` the resolved config as plain
-    data (saved as config.json, compared on resume); ``guard`` (a LossGuard) is
-    checked before every save, so no checkpoint is written after a non-finite loss.
+    data (saved as config.json, compared on resume); ``agreement`` (a StepAgreement)
+    is asked before every save, so no checkpoint is written after a non-finite loss.
     """
 
     def __init__(
@@ -47,7 +47,7 @@ class CheckpointManager:
         run_dir: Path,
         accelerator: Any,
         state: TrainState,
-        guard: Any = None,
+        agreement: Any = None,
         timeout_s: float = 1800.0,
     ) -> None:
         if isinstance(checkpoint, DictConfig):
@@ -71,7 +71,7 @@ class CheckpointManager:
         self.layout = (
             ("sharded" if accelerator.is_fsdp2 else "full") if layout == "auto" else layout
         )
-        self.guard = guard
+        self.agreement = agreement
         self.timeout_s = float(timeout_s or 1800)
         self.best: dict[str, Any] | None = None  # step, value of save_best.monitor
         self.resumed_from: str | None = None
@@ -233,8 +233,8 @@ class CheckpointManager:
                     obj.load_state_dict(trainer["stateful"][name])
                 elif f"{name}.safetensors" in loaded:  # an extra whose state is tensors
                     obj.load_state_dict(loaded[f"{name}.safetensors"])
-            if self.guard is not None and "loss_guard" in trainer:
-                self.guard.load_state_dict(trainer["loss_guard"])
+            if self.agreement is not None and "loss_guard" in trainer:
+                self.agreement.guard.load_state_dict(trainer["loss_guard"])
             set_rng_state(loaded[rng_name])  # last: nothing after this draws numbers
         except (RuntimeError, KeyError, ValueError) as err:
             raise ConfigMismatch(f"{ckpt}: the state does not fit this run: {err}") from err
@@ -251,7 +251,7 @@ class CheckpointManager:
         """At every optimizer-step boundary: save when a rule says so (every N
         steps, at the end of every N epochs, on a new best value of
         ``save_best.monitor`` among the ``fresh`` metrics logged at this step,
-        after a stop signal: ``stop``, from ``StopSignals.poll_stop``).
+        after a stop signal: ``stop``, from ``StepAgreement.at_step``).
         ``metrics``: the latest value of every metric, for the manifest."""
         self._position = Position(step, epoch, batch)
         self._metrics = dict(metrics)
@@ -294,8 +294,8 @@ class CheckpointManager:
         and commits it with the same protocol. One save at most is in flight:
         the next ``save`` and ``finish`` wait for it first."""
         self.wait()
-        if self.guard is not None:
-            self.guard.check(step)  # never save the state after a non-finite loss
+        if self.agreement is not None:  # never save the state after a non-finite loss
+            self.agreement.at_step(step, saving=True)
         new_best = self._pending_best if "best" in reasons else None
         self._pending_best = None
         job = self._stage(step, epoch, batch, reasons, new_best, self.dir, self.asynchronous)
@@ -428,8 +428,8 @@ class CheckpointManager:
                 t.name: t.run_id for t in self.accelerator.trackers if getattr(t, "run_id", None)
             },
         }
-        if self.guard is not None:
-            trainer_state["loss_guard"] = self.guard.state_dict()
+        if self.agreement is not None:
+            trainer_state["loss_guard"] = self.agreement.guard.state_dict()
         blobs = {"scheduler.pt": fmt.torch_bytes(self.state.scheduler.state_dict())}
         for name, tensors in tensor_extras.items():
             blobs[f"{name}.safetensors"] = save_safetensors(fmt.unshared(tensors))

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .. import upstream
 from . import full_state, ties
 from .format import SHARD_DIRS, CheckpointError
 
@@ -182,9 +183,6 @@ def consolidate(ckpt: Path, tmp: Path) -> None:
     tensor by tensor from the shards' headers (DCP's consolidation: no full
     state in memory; the shards were hashed and their headers checked first)."""
     from safetensors import safe_open
-    from torch.distributed.checkpoint._consolidate_hf_safetensors import (
-        consolidate_safetensors_files,
-    )
 
     shards = ckpt / MODEL_DIR
     names: set[str] = set()
@@ -192,8 +190,8 @@ def consolidate(ckpt: Path, tmp: Path) -> None:
         with safe_open(str(shard), framework="pt") as f:
             names.update(f.keys())
     with tempfile.TemporaryDirectory(dir=tmp.parent) as folder:
-        consolidate_safetensors_files(str(shards), folder, dict.fromkeys(sorted(names), 1))
-        os.replace(Path(folder) / "model-00001-of-00001.safetensors", tmp)
+        written = upstream.consolidate_safetensors(str(shards), folder, sorted(names))
+        os.replace(Path(folder) / written, tmp)
 
 
 def full_model_state(ckpt: Path) -> dict[str, torch.Tensor]:

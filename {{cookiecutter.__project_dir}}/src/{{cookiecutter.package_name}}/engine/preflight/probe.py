@@ -24,8 +24,10 @@ import torch
 from omegaconf import DictConfig
 
 from ... import task
+from ..agreement import StepAgreement
 from ..checkpoint import CheckpointError, CheckpointManager
 from ..nonfinite import LossGuard
+from ..preemption import StopSignals
 from ..state import TrainState, optimizer_step, rng_state
 from .checks import Check, PreflightFailed, local_bytes, mib, sync
 
@@ -201,9 +203,14 @@ def _digest_into(out: dict[str, str], tree: Any, prefix: str) -> None:
 def _time_steps(cfg: DictConfig, acc: Any, state: TrainState) -> Timing:
     """Warm-up steps, then timed steps, the loader alone, and a few evaluation
     batches. Real optimizer steps, as the training loop takes them (with a
-    LossGuard of their own: the run's guard sees only the run's steps)."""
+    loss guard of their own: the run's sees only the run's steps)."""
     model, train_loader, val_loader = state.model, state.train_loader, state.val_loader
-    guard = LossGuard(cfg.trainer.on_nan, acc)
+    guard = StepAgreement(
+        accelerator=acc,
+        guard=LossGuard(cfg.trainer.on_nan, acc),
+        signals=StopSignals(enabled=False),
+        every_n_steps=cfg.trainer.log_every_n_steps,
+    )
     pf, trainer = cfg.preflight, cfg.trainer
     timing = Timing()
     device = acc.device
@@ -292,7 +299,7 @@ def _time_steps(cfg: DictConfig, acc: Any, state: TrainState) -> Timing:
 
 
 def _train_step(
-    acc: Any, state: TrainState, guard: LossGuard, batches: Iterator, clip: float | None
+    acc: Any, state: TrainState, guard: StepAgreement, batches: Iterator, clip: float | None
 ) -> tuple[int, int]:
     """One optimizer step (all its micro-batches) through the loop's own
     ``optimizer_step``; returns the samples and tokens used (task.py counts)."""
@@ -301,7 +308,7 @@ def _train_step(
         batch = next(batches)
         counted = task.batch_size(batch=batch)
         samples, tokens = samples + counted[0], tokens + (counted[1] or 0)
-        optimizer_step(accelerator=acc, state=state, batch=batch, guard=guard, clip_norm=clip)
+        optimizer_step(accelerator=acc, state=state, batch=batch, agreement=guard, clip_norm=clip)
         if acc.sync_gradients:
             break
     state.scheduler.step()
