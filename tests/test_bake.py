@@ -88,14 +88,6 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "README.md",
         "docs/trust.md",
         "pyproject.toml",
-        "bench.py",
-        "scripts/bench_checkpoint.py",
-        "scripts/bench_step.py",
-        "scripts/bench_ckpt_memory.py",
-        "scripts/bench_fsdp.py",
-        "scripts/bench_children.py",
-        "scripts/bench_tracking.py",
-        "scripts/bench_turns.py",
         "scripts/gpu_check.sh",
         "train.py",
         "eval.py",
@@ -434,8 +426,8 @@ def test_baked_project_tests_pass_in_shared_env(baked, name):
     names, defaults and optional files, not in code: what a bake choice changes is
     covered by the config tests (every option composes and builds), which run
     here. Everything else (training, checkpoints, parallel, SLURM, sweeps,
-    trackers, preflight, performance: the same code paths) runs in the default
-    bake only, which keeps CI in budget."""
+    trackers, preflight, performance, the template's bench: the same code paths)
+    runs in the default bake only, which keeps CI in budget."""
     # No tracker packages here (the default bake's venv has them): their tests skip.
     env = {**os.environ, "PYTHONPATH": str(baked[name] / "src"), "TESTS_SKIP_MISSING_EXTRAS": "1"}
     # And the smoke test of the bake's own default (2 CPU processes for one_node/multi_node).
@@ -486,14 +478,23 @@ def test_default_bake_installs_and_passes_in_a_fresh_venv(baked, tmp_path):
     # -v: the log says which test runs, while it runs; -n auto: as the project README says
     selection = ["-m", "not slow or ci", "-n", "auto", "-v", "--durations=0"]
     selection.append(f"--junitxml={junit}")
+    # And the template's bench (bench/, not part of the project) on this bake, in the
+    # same run and pool of workers (no time of its own): its quick mode and its turns.
+    # -c: the project's pytest config (markers, options) for both folders.
+    selection += ["-c", "pyproject.toml", "tests", str(REPO / "bench")]
     log = REPO / "build" / "default-bake-pytest.log"
-    run_pytest(py, project, *selection, env=clean_env, log=log)
-    # The accuracy run ran and passed: not skipped, not deselected (read from the report,
-    # not the text, which names every test in its durations).
+    run_pytest(py, project, *selection, env={**clean_env, "BENCH_PROJECT": str(project)}, log=log)
+    # The accuracy run and the bench ran and passed: not skipped, not deselected (read
+    # from the report, not the text, which names every test in its durations).
     cases = {c.get("name"): c for c in ElementTree.parse(junit).iter("testcase")}
-    accuracy = cases["test_default_run_reaches_95_percent"]
-    outcome = [child.tag for child in accuracy if child.tag in ("skipped", "failure", "error")]
-    assert not outcome, outcome
+    for name in (
+        "test_default_run_reaches_95_percent",
+        "test_bench_quick_mode_reports_every_figure",
+    ):
+        outcome = [
+            child.tag for child in cases[name] if child.tag in ("skipped", "failure", "error")
+        ]
+        assert not outcome, (name, outcome)
 
 
 def readme_checklist_files(readme: str) -> dict[str, str]:

@@ -240,7 +240,7 @@ def test_deepspeed_with_checkpoints_is_refused_before_any_work(train_run):
 @pytest.mark.slow
 @pytest.mark.ci
 def test_default_run_reaches_95_percent(train_run):
-    """How long it takes is bench.py's to measure (`end_to_end`), not a test's."""
+    """How long it takes is a benchmark's to measure (the template's), not a test's."""
     run = train_run()  # every default, as `python train.py`
     summary = run.summary
     assert summary["metrics"]["val/acc"] >= 0.95
