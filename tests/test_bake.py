@@ -54,6 +54,30 @@ BAKES = {
 SHARED_ENV_BAKES = [name for name in BAKES if name not in ("default", "tracked")]
 
 
+# The generated project's docs/ (docs/slurm.md too, with include_slurm=yes): the README
+# is the front door and links each of them.
+DOCS_PAGES = (
+    "checkpoints",
+    "configuration",
+    "data",
+    "debug",
+    "development",
+    "gpt",
+    "hf",
+    "kubernetes",
+    "lifecycle",
+    "own-model",
+    "parallel",
+    "preflight",
+    "run-dir",
+    "sweeps",
+    "text",
+    "trackers",
+    "trust",
+    "updates",
+)
+
+
 def context_of(name: str) -> dict[str, str]:
     """The full context cookiecutter ends up with (choices default to the first value)."""
     ctx = {
@@ -86,9 +110,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         ".dockerignore",
         "Dockerfile",
         "README.md",
-        "docs/trust.md",
-        "docs/hf.md",
-        "docs/text.md",
+        *(f"docs/{page}.md" for page in DOCS_PAGES),
         "pyproject.toml",
         "scripts/gpu_check.sh",
         "train.py",
@@ -258,6 +280,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         files |= {
             "configs/hydra/launcher/slurm.yaml",
             "tests/test_slurm.py",
+            "docs/slurm.md",
             "tests/slurm/README.md",
             "tests/slurm/check_cluster.sh",
             "tests/slurm/start_cluster.sh",
@@ -367,22 +390,26 @@ def assert_package_manager(ctx: dict[str, str], pyproject: dict, project: Path) 
 
 @pytest.mark.parametrize("name", BAKES)
 def test_readme_names_the_chosen_defaults(baked, name):
-    """The README says what this bake chose, and installs as the post-gen message says."""
+    """The README and the docs pages say what this bake chose, and the README installs
+    as the post-gen message says."""
     ctx, readme = context_of(name), (baked[name] / "README.md").read_text()
+    docs = {p.stem: p.read_text() for p in (baked[name] / "docs").glob("*.md")}
     tracker, parallel = ctx["default_tracker"], default_parallel(ctx)
-    assert f"The default is `tracker={tracker}`" in readme
-    assert f"`none` (default: `{tracker}`)" in readme  # the config table's tracker row
-    assert f"The default is `parallel={parallel}`" in readme
-    assert f"`deepspeed` (default: `{parallel}`)" in readme
-    opening = readme.split("## Configuration", 1)[0]  # the scope's paragraph comes first
+    assert f"The default is `tracker={tracker}`" in docs["trackers"]
+    assert f"`none` (default: `{tracker}`)" in docs["configuration"]  # the tracker row
+    assert f"The default is `parallel={parallel}`" in docs["parallel"]
+    assert f"`deepspeed` (default: `{parallel}`)" in docs["configuration"]
+    # The scope's paragraph comes first: in the README's "Set up and run".
+    opening = readme.split("## Set up and run", 1)[1].split("\n## ", 1)[0]
     for scope in COOKIECUTTER_JSON["scope"]:
         assert (f"(scope `{scope}`)" in opening) == (scope == ctx["scope"]), scope
     if ctx["scope"] == "multi_node":
         assert "parallel.num_nodes=2 parallel.node_rank=R" in opening
         assert ("hydra/launcher=slurm" in opening) == (ctx["include_slurm"] == "yes")
-    for other in set(COOKIECUTTER_JSON["default_tracker"]) - {tracker}:
-        assert f"`tracker={other}` (the default)" not in readme
-        assert f"The default is `tracker={other}`" not in readme
+    for text in [readme, *docs.values()]:
+        for other in set(COOKIECUTTER_JSON["default_tracker"]) - {tracker}:
+            assert f"`tracker={other}` (the default)" not in text
+            assert f"The default is `tracker={other}`" not in text
     printed = (baked[name].parent / "bake.stdout").read_text()
     steps = printed.split("Next steps:\n", 1)[1].strip().splitlines()
     assert steps[0].strip() == f"cd {ctx['project_slug']}"
@@ -394,6 +421,60 @@ def test_readme_names_the_chosen_defaults(baked, name):
         assert commands == ["uv sync --extra cpu", "uv run train.py", "uv run pytest -n auto"]
     else:
         assert "pip install torch==" in setup and "uv " not in setup
+
+
+README_MAX_LINES = 300  # the front door: set-up, the commands, the layout, links
+MARKDOWN_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+# Pages that work on other branches adds (issue 31: recovery; issue 32: DeepSpeed): the
+# README links them already. Once a page is in the bake, the test says to drop it here.
+PAGES_OF_OTHER_WORK = {"docs/recovery.md", "docs/deepspeed.md"}
+
+
+def without_code(markdown: str) -> str:
+    """The text outside fenced code blocks (a link in code is code)."""
+    return re.sub(r"^\s*```.*?^\s*```[^\n]*$", "", markdown, flags=re.M | re.S)
+
+
+def heading_ids(markdown: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lowercased, every character but
+    letters, digits, spaces, '-' and '_' dropped, spaces made '-'; a repeated one -1, -2."""
+    ids: set[str] = set()
+    seen: dict[str, int] = {}
+    for title in re.findall(r"^#{1,6} +(.+?) *#*$", without_code(markdown), flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+        ids.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return ids
+
+
+@pytest.mark.parametrize("name", BAKES)
+def test_readme_is_the_front_door_and_every_docs_link_resolves(baked, name):
+    """At most README_MAX_LINES lines, a link to every docs/ page, and every relative
+    link in README.md and docs/*.md names a file of the bake (and a heading on it)."""
+    project = baked[name]
+    readme = (project / "README.md").read_text()
+    assert len(readme.splitlines()) <= README_MAX_LINES, len(readme.splitlines())
+    pages = [project / "README.md", *sorted((project / "docs").glob("*.md"))]
+    from_readme = set()
+    for page in pages:
+        for target in MARKDOWN_LINK.findall(without_code(page.read_text())):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            where = f"{page.relative_to(project)}: ({target})"
+            rel = file.relative_to(project).as_posix()  # never outside the project
+            if page.name == "README.md":
+                from_readme.add(rel)
+            if rel in PAGES_OF_OTHER_WORK and not file.exists():
+                continue
+            assert file.is_file(), f"{where} names no file"
+            if anchor:
+                assert anchor in heading_ids(file.read_text()), f"{where}: no such heading"
+    docs = {p.relative_to(project).as_posix() for p in pages[1:]}
+    assert docs <= from_readme, f"not linked from README.md: {sorted(docs - from_readme)}"
+    for rel in PAGES_OF_OTHER_WORK:
+        assert not (project / rel).exists(), f"{rel} is here now: drop it from PAGES_OF_OTHER_WORK"
 
 
 @pytest.mark.parametrize("name", BAKES)
@@ -511,23 +592,23 @@ def test_default_bake_installs_and_passes_in_a_fresh_venv(baked, tmp_path):
         assert not outcome, (name, outcome)
 
 
-def readme_checklist_files(readme: str) -> dict[str, str]:
-    """The files README's "Add your own model and data" checklist tells a user to
-    write: each numbered item names a path in backticks and gives its content in the
-    code block that follows."""
-    section = readme.split("### Add your own model and data", 1)[1].split("\n## ", 1)[0]
+def readme_checklist_files(page: str) -> dict[str, str]:
+    """The files the "Add your own model and data" checklist (docs/own-model.md) tells
+    a user to write: each numbered item names a path in backticks and gives its content
+    in the code block that follows."""
+    section = page.split("## Add your own model and data", 1)[1].split("\n## ", 1)[0]
     found = re.findall(r"`((?:src|configs)/[^`]+\.(?:py|yaml))`.*?```\w*\n(.*?)```", section, re.S)
     return {path: textwrap.dedent(body) for path, body in found}
 
 
 def test_own_model_and_data_as_the_readme_says_pass_the_projects_tests(baked, tmp_path):
-    """A fresh project plus the README checklist's 2 code files and 2 YAML files (and
+    """A fresh project plus the checklist's 2 code files and 2 YAML files (and
     its optional experiment), and not one edit elsewhere: the project's config tests
     (which find every option) and its experiment test pass with the new files in
     them, and train.py trains on them."""
     project = tmp_path / "project"
     shutil.copytree(baked["default"], project)
-    files = readme_checklist_files((project / "README.md").read_text())
+    files = readme_checklist_files((project / "docs" / "own-model.md").read_text())
     pkg = context_of("default")["package_name"]
     assert sorted(files) == sorted(
         [
