@@ -119,7 +119,7 @@ def test_same_seed_gives_identical_weights(train_run, num_workers):
 @pytest.mark.slow  # ~5 min each on 2 cores: off CI (the same-seed pair above is in CI)
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_same_seed_is_bit_identical_10_times_under_load(tmp_path, num_workers):
-    """The guarantee (README, "Reproducibility"): same seed, same machine, same
+    """The guarantee (docs/configuration.md, "Reproducibility"): same seed, same machine, same
     CPU thread count (pinned at start-up) -> the same bits, whatever the load
     and the loader workers. Ten repetitions while another training process
     competes for the cores."""
