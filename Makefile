@@ -15,7 +15,7 @@ TEST_DEPS := "cookiecutter>=2.6,<3" "pytest>=8" "ruff>=0.17,<0.18" \
              "hydra-submitit-launcher>=1.2" "cruft>=2.15" "pytest-xdist>=3.5" \
              "uv>=0.13.8,<0.14"
 
-.PHONY: demo test clean
+.PHONY: demo test bench clean
 
 $(STAMP): Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,13 @@ demo: $(STAMP)
 	cd build/demo/digit_trainer && $(abspath $(BIN))/python train.py run_name=demo
 	@$(BIN)/python -c "import json; s = json.load(open('build/demo/digit_trainer/runs/demo/summary.json')); \
 	print(f\"\nrun dir: build/demo/digit_trainer/runs/demo\nval/acc: {s['metrics']['val/acc']:.4f}\")"
+
+# The template's benchmark (bench/README.md) on a bake of the defaults: every figure
+# against bare PyTorch, a few minutes. BENCH_ARGS=--quick for one tiny round.
+bench: $(STAMP)
+	rm -rf build/bench
+	$(BIN)/cookiecutter --no-input --output-dir build/bench .
+	$(BIN)/python bench/bench.py --project build/bench/digit_trainer $(BENCH_ARGS)
 
 # The whole test suite: bakes every option value, lints and tests each bake,
 # installs the default bake into a fresh virtual environment.

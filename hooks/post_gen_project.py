@@ -21,6 +21,7 @@ NOT_CHOSEN = {
     "configs/hydra/launcher/slurm.yaml": INCLUDE_SLURM != "yes",
     "tests/test_slurm.py": INCLUDE_SLURM != "yes",
     "tests/slurm": INCLUDE_SLURM != "yes",
+    "docs/slurm.md": INCLUDE_SLURM != "yes",
 }
 
 

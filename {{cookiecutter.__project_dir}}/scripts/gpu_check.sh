@@ -9,7 +9,6 @@
 # checkpointing).
 #
 #   pip install -e '.[dev]' && bash scripts/gpu_check.sh
-#   BENCH=1 bash scripts/gpu_check.sh      # then also python bench.py (a few minutes)
 #
 # Every digits run trains a few epochs and must reach 90 % validation accuracy;
 # every GPT run trains 300 steps and must bring the validation loss below 2.0
@@ -92,8 +91,5 @@ if [ "$GPUS" -ge 2 ]; then
     parallel.num_processes=2 parallel.activation_checkpointing=true
 else
   echo "SKIP  ddp/fsdp: need 2 GPUs"
-fi
-if [ "${BENCH:-0}" = "1" ]; then
-  python bench.py --json "$OUT/bench.json" || FAILED=1
 fi
 exit $FAILED

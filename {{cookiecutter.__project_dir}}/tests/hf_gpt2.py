@@ -1,5 +1,5 @@
 """A Hugging Face ``transformers`` GPT-2 plugged in as a user plugs in a model of
-their own (README: "Add your own model and data"): a function whose arguments are
+their own (docs/own-model.md, "Add your own model and data"): a function whose arguments are
 the config keys, here ``model=gpt``'s (``model._target_=tests.hf_gpt2.gpt2``). Built
 from a config (no download), with GPT-2's tied embeddings: ``lm_head.weight`` is
 ``transformer.wte.weight``. It returns a ``ModelOutput``; task.py reads its ``.logits``.

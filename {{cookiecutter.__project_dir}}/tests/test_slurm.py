@@ -251,7 +251,7 @@ def test_an_interrupted_job_is_requeued_and_resumes_bit_exactly(tmp_path, refere
     print(f"\n{how}: {took}resumed {resumed[0] - saved[0]:.1f} s after the save")
     if how != "time_limit":  # there, the last attempt may end inside the signal window:
         # a signal during interpreter exit kills the finished job, which SLURM records
-        # as FAILED although its result and run dir are complete (README: SLURM).
+        # as FAILED although its result and run dir are complete (docs/slurm.md).
         assert final_state(job) == "COMPLETED"
 
 

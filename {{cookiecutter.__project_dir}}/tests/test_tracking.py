@@ -3,7 +3,7 @@ MLflow's MlflowClient and model loader, W&B's offline run file (its protobuf
 records), the CSV with the csv module. Real train.py runs: all trackers at once
 in one process and under 2-process DDP (one run per tracker), a stopped run
 that resumes the same W&B and MLflow runs, a missing package, a shared MLflow
-store created by parallel jobs, and the logging-overhead benchmark."""
+store created by parallel jobs."""
 
 import csv
 import json
@@ -373,21 +373,3 @@ def test_parallel_jobs_share_one_mlflow_store(tmp_path, env):
     assert params["model/a_b_0_"] == "1" and params["tags"] == "[1, 2]" and params["x/y"] == "2"
     assert params["k" * 250] == "v" * 6000
     assert experiment.artifact_location == str(store.parent / "mlflow-artifacts")
-
-
-@pytest.mark.slow
-def test_benchmark_script_prints_the_ratio(tmp_path, env):
-    require_trackers("tensorboard")
-    tiny = ["--steps", "20", "--repeats", "1", "--dir", str(tmp_path)]
-    proc = subprocess.run(
-        [sys.executable, "scripts/bench_tracking.py", *tiny],
-        cwd=PROJECT_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("ratio")]
-    assert float(line.split()[-1]) > 0
-    assert [p.name for p in tmp_path.iterdir()] == ["home"]  # its runs are removed

@@ -119,7 +119,7 @@ def test_same_seed_gives_identical_weights(train_run, num_workers):
 @pytest.mark.slow  # ~5 min each on 2 cores: off CI (the same-seed pair above is in CI)
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_same_seed_is_bit_identical_10_times_under_load(tmp_path, num_workers):
-    """The guarantee (README, "Reproducibility"): same seed, same machine, same
+    """The guarantee (docs/configuration.md, "Reproducibility"): same seed, same machine, same
     CPU thread count (pinned at start-up) -> the same bits, whatever the load
     and the loader workers. Ten repetitions while another training process
     competes for the cores."""
@@ -240,7 +240,7 @@ def test_deepspeed_with_checkpoints_is_refused_before_any_work(train_run):
 @pytest.mark.slow
 @pytest.mark.ci
 def test_default_run_reaches_95_percent(train_run):
-    """How long it takes is bench.py's to measure (`end_to_end`), not a test's."""
+    """How long it takes is a benchmark's to measure (the template's), not a test's."""
     run = train_run()  # every default, as `python train.py`
     summary = run.summary
     assert summary["metrics"]["val/acc"] >= 0.95

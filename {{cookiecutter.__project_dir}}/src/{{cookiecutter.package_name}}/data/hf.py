@@ -1,7 +1,7 @@
 """``data=hf``: a Hugging Face ``datasets`` dataset from local files (csv, json,
 parquet, arrow) or a directory written by ``save_to_disk``; two columns become a
 batch's ``(inputs, targets)``. Offline: nothing is fetched from the Hub at run time.
-Needs the ``hf`` extra (``pip install -e '.[hf]'``). README: "Your own data".
+Needs the ``hf`` extra (``pip install -e '.[hf]'``). docs/data.md.
 """
 
 from typing import Any

@@ -1,6 +1,6 @@
 """``data=token_file``: token ids in a flat binary file on disk (nanoGPT's ``train.bin``
 / ``val.bin``: uint16 or uint32, native byte order), read window by window, never whole.
-README: "Your own data".
+docs/data.md.
 
 A sample is ``seq_len + 1`` consecutive tokens: inputs the first ``seq_len``, targets
 the same shifted by one. ``windows=sequential``: the file cut into non-overlapping

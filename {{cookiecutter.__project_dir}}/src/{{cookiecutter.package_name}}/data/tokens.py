@@ -1,6 +1,6 @@
 """Synthetic token sequences for the GPT example (``data=tokens``): a walk through a
 fixed random Markov "language", then the same walk repeated, generated in memory from
-``data_seed`` (no download). README: "Your own data".
+``data_seed`` (no download). docs/data.md.
 """
 
 import numpy as np

@@ -7,6 +7,8 @@ import statistics
 import time
 from pathlib import Path
 
+import bench_project
+
 
 def bench_checkpoint(args, config: dict, work: Path, results: dict) -> None:
     """Our save/load against torch.save/torch.load of the same state, and the
@@ -16,9 +18,10 @@ def bench_checkpoint(args, config: dict, work: Path, results: dict) -> None:
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    from {{ cookiecutter.package_name }} import task
-    from {{ cookiecutter.package_name }}.engine.checkpoint import CheckpointManager
-    from {{ cookiecutter.package_name }}.engine.state import TrainState, rng_state
+    task = bench_project.module("task")
+    CheckpointManager = bench_project.module("engine.checkpoint").CheckpointManager
+    state_module = bench_project.module("engine.state")
+    TrainState, rng_state = state_module.TrainState, state_module.rng_state
 
     cfg = OmegaConf.create(config)  # the resolved config of the workload
     accelerator = Accelerator(cpu=not torch.cuda.is_available())

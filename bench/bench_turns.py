@@ -4,7 +4,7 @@
 Why turns: between processes, steps/s on a shared VM drifts far more than the
 2-3 % these figures judge. Measured on a 2-core VM: the same bare process went
 from 189 to 104 steps/s over twelve runs in two minutes, with no steal time
-and no other load (README, "Performance"). Run one after the other, two sides
+and no other load (bench/README.md). Run one after the other, two sides
 see different machines. So both sides run at once, but only one trains at a
 time: every ``every`` optimizer steps each rank's step hook says "done" on a
 pipe and waits for "go"; the parent hands the turn on (in rotating order) and

@@ -2,9 +2,10 @@
 through ``train.py`` against a bare FSDP2 loop, and activation checkpointing on
 against off.
 
-    python scripts/bench_fsdp.py                    # CPU sizes, 3 rounds of 120 steps
-    python scripts/bench_fsdp.py --quick            # tiny, 1 round (a smoke test)
-    python scripts/bench_fsdp.py --overrides model.n_layer=8 trainer.mixed_precision=bf16
+    python bench/bench_fsdp.py --project DIR           # CPU sizes, 3 rounds of 120 steps
+    python bench/bench_fsdp.py --project DIR --quick   # tiny, 1 round (a smoke test)
+    python bench/bench_fsdp.py --project DIR --overrides model.n_layer=8 \
+        trainer.mixed_precision=bf16
 
 ==================  =======================================================================
 figure              what
@@ -20,9 +21,9 @@ ac_ratio            steps/s of the same ``train.py`` with ``parallel.activation_
 ==================  =======================================================================
 
 The three sides (2 processes each, under torchrun) run at once and take turns
-every 10 optimizer steps (scripts/bench_turns.py), so they see the same seconds of
+every 10 optimizer steps (bench_turns.py), so they see the same seconds of
 a shared machine; each figure is the median over the rounds. The bare loop is this
-file's ``bare`` child; ours is scripts/bench_children.py's ``train``.
+file's ``bare`` child; ours is bench_children.py's ``train``.
 """
 
 import argparse
@@ -34,10 +35,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+import bench_project
+from bench_children import install_step_clock  # the shared step clock
 
-from bench_children import install_step_clock  # noqa: E402 (the shared step clock)
+from bench import compose  # the resolved config train.py would run
 
 GPT = ["model=gpt", "data=tokens"]
 SIZES = {
@@ -53,20 +54,6 @@ SIZES = {
 }
 
 
-def compose(overrides: list[str]) -> dict:
-    """The resolved config ``python train.py OVERRIDES`` would run, as plain data."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from {{ cookiecutter.package_name }}.engine.config import register_resolvers, resolve_config
-
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = hydra_compose("train", overrides=overrides)
-    return OmegaConf.to_container(resolve_config(cfg), resolve=True)
-
-
 def child_bare(spec: dict) -> None:
     """The floor: ``fully_shard`` on each of ``model.blocks``, then the root (the
     precision policy of fsdp.py), the same optimizer, schedule and clipping, and a
@@ -78,8 +65,8 @@ def child_bare(spec: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from {{ cookiecutter.package_name }} import task
-    from {{ cookiecutter.package_name }}.engine.fsdp import precision_policies
+    task = bench_project.module("task")
+    precision_policies = bench_project.module("engine.fsdp").precision_policies
 
     cfg, steps = spec["config"], spec["steps"]
     cuda = torch.cuda.is_available()
@@ -105,7 +92,8 @@ def child_bare(spec: dict) -> None:
     while done < steps:
         for batch in loaders.train:
             batch = [t.to(device, non_blocking=True) for t in batch]
-            task.loss(model=model, batch=batch).backward()
+            loss, _ = task.loss(model=model, batch=batch)
+            loss.backward()
             if clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             optimizer.step()
@@ -148,11 +136,17 @@ def in_turns(args, overrides: list[str], work: Path) -> dict[str, float]:
                 script, kind = Path(__file__).resolve(), "bare"
             else:
                 spec["overrides"] = [*run, *sides[side], f"hydra.run.dir={folder / side}"]
-                script, kind = ROOT / "scripts" / "bench_children.py", "train"
+                script, kind = Path(__file__).resolve().with_name("bench_children.py"), "train"
             (folder / f"{side}.spec.json").write_text(json.dumps(spec))
             commands[side] = [*torchrun, str(script), kind, str(folder / f"{side}.spec.json")]
         seconds = run_in_turns(
-            commands, folder, ranks=2, every=every, blocks=blocks, untimed=untimed, cwd=ROOT
+            commands,
+            folder,
+            ranks=2,
+            every=every,
+            blocks=blocks,
+            untimed=untimed,
+            cwd=bench_project.root(),
         )
         for side in sides:
             taken = len(json.loads((folder / f"{side}.json.rank0").read_text())["times"])
@@ -173,12 +167,14 @@ def in_turns(args, overrides: list[str], work: Path) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    bench_project.add_option(parser)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 round")
     parser.add_argument("--repeats", type=int, help="rounds (default 3; quick: 1)")
     parser.add_argument("--steps", type=int, help="optimizer steps per run (120; quick: 20)")
     parser.add_argument("--overrides", nargs="*", default=[], help="Hydra overrides, added")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
+    bench_project.use_option(parser, args)
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.steps = args.steps or (20 if args.quick else 120)
     import torch
@@ -187,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [*GPT, *SIZES[where], *args.overrides]
     print(f"workload: {' '.join(overrides)}; 2-process FSDP; {args.repeats} round(s)")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    work = Path(tempfile.mkdtemp(prefix="bench_fsdp_", dir=ROOT))
+    work = Path(tempfile.mkdtemp(prefix="bench_fsdp_", dir=bench_project.root()))
     try:
         medians = in_turns(args, overrides, work)
     finally:

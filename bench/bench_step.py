@@ -6,7 +6,7 @@ prepared data loader) against the bare step (``loss.backward()``, torch's
 data and optimizer, in blocks that alternate within one process.
 
 Why in one process: between processes, steps/s on a shared 2-core VM drifts by
-up to 30 % over tens of seconds (README, "Performance"), more than the 2 % this
+up to 30 % over tens of seconds (bench/README.md), more than the 2 % this
 figure judges; blocks of 10 steps (~0.1 s) that alternate see the same machine
 (in blocks of 40 steps, a side that did strictly more came out 0.45 ms faster).
 
@@ -20,16 +20,19 @@ import statistics
 import time
 from pathlib import Path
 
+import bench_project
+
 
 def bench_step(args, config: dict, work: Path, results: dict) -> None:
     import torch
     from bench_children import bare_stepper  # the bare loop's own step
     from omegaconf import OmegaConf
 
-    from {{ cookiecutter.package_name }}.engine.accel import build_accelerator
-    from {{ cookiecutter.package_name }}.engine.config import instantiate
-    from {{ cookiecutter.package_name }}.engine.nonfinite import LossGuard
-    from {{ cookiecutter.package_name }}.engine.state import TrainState, optimizer_step
+    build_accelerator = bench_project.module("engine.accel").build_accelerator
+    instantiate = bench_project.module("engine.config").instantiate
+    LossGuard = bench_project.module("engine.nonfinite").LossGuard
+    state_module = bench_project.module("engine.state")
+    TrainState, optimizer_step = state_module.TrainState, state_module.optimizer_step
 
     cfg = OmegaConf.create(config)  # the workload's resolved config (--trackers, or none)
     accelerator = build_accelerator(cfg, work)

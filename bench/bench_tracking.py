@@ -1,9 +1,9 @@
 """What logging costs: training steps/s with ``tracker=none`` against
 ``tracker=[csv,tensorboard]`` (or ``--trackers``).
 
-    python scripts/bench_tracking.py                      # 5 pairs of 1000-step runs
-    python scripts/bench_tracking.py --trackers '[csv,tensorboard,wandb]' --steps 3000
-    python scripts/bench_tracking.py --threads 1          # steadier on a shared machine
+    python bench/bench_tracking.py --project DIR          # 5 pairs of 1000-step runs
+    python bench/bench_tracking.py --project DIR --trackers '[csv,tensorboard,wandb]' --steps 3000
+    python bench/bench_tracking.py --project DIR --threads 1   # steadier on a shared machine
 
 Two measurements:
 
@@ -29,13 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from accelerate import Accelerator
-from hydra import compose, initialize_config_dir
+import bench_project
 
-from {{ cookiecutter.package_name }}.engine.config import register_resolvers, resolve_config
-from {{ cookiecutter.package_name }}.engine.tracking import build_trackers
-
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 TRAIN_METRICS = ("train/loss", "train/lr", "train/grad_norm", "train/epoch")
 TRAIN_METRICS += ("perf/steps_per_sec", "perf/samples_per_sec")
 
@@ -46,7 +41,7 @@ def steps_per_sec(
     cmd = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", f"tracker={tracker}"]
     cmd += [f"trainer.max_steps={steps}", f"trainer.eval_every_n_steps={steps}"]
     cmd += ["checkpoint=none", *extra]
-    proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, cwd=bench_project.root(), capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     return json.loads((run_dir / "summary.json").read_text())["steps_per_sec"]
@@ -55,10 +50,17 @@ def steps_per_sec(
 def seconds_per_log_call(tracker: str, run_dir: Path, calls: int = 2000) -> tuple[float, int]:
     """Mean time of ``accelerator.log`` with the trackers of ``tracker=...``,
     and the config's log_every_n_steps."""
+    from accelerate import Accelerator
+    from hydra import compose, initialize_config_dir
+
+    config = bench_project.module("engine.config")
+    build_trackers = bench_project.module("engine.tracking").build_trackers
+    root = bench_project.root()
     run_dir.mkdir(parents=True, exist_ok=True)
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "configs"), version_base="1.3"):
-        cfg = resolve_config(compose("train", overrides=[f"tracker={tracker}", "checkpoint=none"]))
+    config.register_resolvers(root)
+    with initialize_config_dir(config_dir=str(root / "configs"), version_base="1.3"):
+        overrides = [f"tracker={tracker}", "checkpoint=none"]
+        cfg = config.resolve_config(compose("train", overrides=overrides))
     accelerator = Accelerator(
         cpu=True, log_with=build_trackers(cfg, run_dir) or None, project_dir=str(run_dir)
     )
@@ -74,6 +76,7 @@ def seconds_per_log_call(tracker: str, run_dir: Path, calls: int = 2000) -> tupl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    bench_project.add_option(parser)
     parser.add_argument("--trackers", default="[csv,tensorboard]")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=5)
@@ -81,6 +84,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads per run")
     parser.add_argument("overrides", nargs="*", help="more train.py overrides")
     args = parser.parse_args()
+    bench_project.use_option(parser, args)
     rates: dict[str, list[float]] = {"none": [], args.trackers: []}
     env = dict(os.environ)
     if args.threads:  # threads competing with other load for few cores slow down erratically

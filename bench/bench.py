@@ -1,15 +1,18 @@
-"""What this project's infrastructure costs, measured against bare PyTorch in one run.
+"""What a baked project's infrastructure costs, measured against bare PyTorch in one run.
 
-    python bench.py                          # every figure; a few minutes; prints a table
-    python bench.py --quick                  # tiny sizes, 1 round (CI: printed, not judged)
-    python bench.py --json bench.json        # also write the figures, settings and machine
-    python bench.py --only checkpoint        # some parts: loop, ddp, startup, checkpoint, log, step
-    python bench.py --only ckpt_memory       # peak memory per rank: full vs sharded (FSDP, 2 ranks)
-    python bench.py --trackers csv,tensorboard --repeats 7
-    python bench.py --overrides model=mlp data=digits    # another workload (Hydra overrides)
+    python bench/bench.py --project DIR            # every figure; a few minutes; prints a table
+    python bench/bench.py --project DIR --quick    # tiny sizes, 1 round (CI: printed, not judged)
+    python bench/bench.py --project DIR --json bench.json   # also the figures, settings, machine
+    python bench/bench.py --project DIR --only checkpoint   # parts: loop, ddp, startup, checkpoint,
+                                                            # log, step; ckpt_memory (FSDP, 2 ranks)
+    python bench/bench.py --project DIR --trackers csv,tensorboard --repeats 7
+    python bench/bench.py --project DIR --overrides model=mlp data=digits   # another workload
+
+DIR is a project the template baked (``make bench`` bakes the defaults and runs this),
+in an environment with its dependencies; the processes timed run its ``train.py``.
 
 Each figure is a median over ``--repeats`` rounds. The loop figures run ours and
-the bare loop at once, taking turns every 10 optimizer steps (scripts/bench_turns.py):
+the bare loop at once, taking turns every 10 optimizer steps (bench_turns.py):
 on a shared machine steps/s drifts by far more between two runs than these
 figures judge, and in turns both sides see the same second of it. Start-up
 figures run the two one after the other, alternating which goes first.
@@ -72,7 +75,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+import bench_project
+
 GOALS = {  # figure: (comparison, goal, the baseline it is measured against)
     "loop_ratio": (">=", 0.98, "a bare hand-written loop, steps/s"),
     "ddp_loop_ratio": (">=", 0.97, "a bare 2-process DDP loop, steps/s"),
@@ -86,8 +90,7 @@ GOALS = {  # figure: (comparison, goal, the baseline it is measured against)
     "step_ratio": (">=", 0.98, "the bare step, same process, alternating"),
 }
 PARTS = ("loop", "ddp", "startup", "checkpoint", "log", "step")
-CHILDREN = ROOT / "scripts" / "bench_children.py"  # the timed processes
-sys.path.insert(0, str(ROOT / "scripts"))
+CHILDREN = Path(__file__).resolve().with_name("bench_children.py")  # the timed processes
 from bench_checkpoint import bench_checkpoint  # noqa: E402 (the checkpoint figures, in-process)
 from bench_ckpt_memory import bench_ckpt_memory  # noqa: E402 (full vs sharded, 2 FSDP ranks)
 from bench_step import bench_step  # noqa: E402 (the step alone: ours vs bare, in-process)
@@ -125,7 +128,7 @@ CHECKPOINT_SIZE = {  # ~20M parameters: ~250 MB with AdamW's state
 }
 
 
-# --- running the timed processes (scripts/bench_children.py) ---------------------------------
+# --- running the timed processes (bench_children.py) -----------------------------------------
 
 
 def _run_child(kind: str, spec: dict, work: Path) -> dict:
@@ -137,7 +140,7 @@ def _run_child(kind: str, spec: dict, work: Path) -> dict:
     started = time.time()
     proc = subprocess.run(
         [sys.executable, str(CHILDREN), kind, str(spec_path)],
-        cwd=ROOT,
+        cwd=bench_project.root(),
         capture_output=True,
         text=True,
         stdin=subprocess.DEVNULL,
@@ -201,7 +204,7 @@ def _in_turns(args, overrides: list[str], work: Path, *, ddp: bool) -> dict:
             every=every,
             blocks=blocks,
             untimed=untimed,
-            cwd=ROOT,
+            cwd=bench_project.root(),
         )
         for side in sides:
             rank0 = folder / (f"{side}.json.rank0" if ddp else f"{side}.json")
@@ -232,12 +235,12 @@ def compose(overrides: list[str]) -> dict:
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
 
-    from {{ cookiecutter.package_name }}.engine.config import register_resolvers, resolve_config
-
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+    config = bench_project.module("engine.config")
+    root = bench_project.root()
+    config.register_resolvers(root)
+    with initialize_config_dir(config_dir=str(root / "configs"), version_base="1.3"):
         cfg = hydra_compose("train", overrides=overrides)
-    return OmegaConf.to_container(resolve_config(cfg), resolve=True)
+    return OmegaConf.to_container(config.resolve_config(cfg), resolve=True)
 
 
 def bench_loop(args, overrides: list[str], work: Path, results: dict, *, ddp: bool) -> None:
@@ -291,7 +294,7 @@ def bench_startup(args, work: Path, results: dict) -> None:
         spec_path = out.with_suffix(".spec.json")
         spec_path.write_text(json.dumps({**spec, "launched_at": time.time()}))
         cmd = [sys.executable, str(CHILDREN), "startup", str(spec_path)]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        proc = subprocess.run(cmd, cwd=bench_project.root(), capture_output=True, text=True)
         log_text = (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else ""
         took = re.search(r"preflight \(([\d.]+) s\)", log_text)
         if proc.returncode != 0 or took is None or not out.exists():
@@ -352,6 +355,7 @@ def report(results: dict) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    bench_project.add_option(parser)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 round (for CI)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--repeats", type=int, help="rounds (default 5; quick: 1)")
@@ -367,8 +371,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--overrides", nargs="*", default=None, help="Hydra overrides: the workload to time"
     )
-    parser.add_argument("--dir", type=Path, default=None, help="scratch space (default: ./)")
+    parser.add_argument("--dir", type=Path, default=None, help="scratch (default: the project)")
     args = parser.parse_args(argv)
+    bench_project.use_option(parser, args)
     args.repeats = args.repeats or (1 if args.quick else 5)
     args.steps = args.steps or (12 if args.quick else 200)
     args.only = [p.strip() for p in args.only.split(",") if p.strip()]
@@ -380,7 +385,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
         available = importlib.util.find_spec("tensorboard") is not None
         wanted = ["csv"] + (["tensorboard"] if available and not args.quick else [])
-        args.trackers = [t for t in wanted if (ROOT / f"configs/tracker/{t}.yaml").exists()]
+        trackers = bench_project.root() / "configs" / "tracker"
+        args.trackers = [t for t in wanted if (trackers / f"{t}.yaml").exists()]
     else:
         args.trackers = [t.strip() for t in args.trackers.split(",") if t.strip()]
     return args
@@ -392,8 +398,9 @@ def main(argv: list[str] | None = None) -> int:
 
     where = "quick" if args.quick else ("gpu" if torch.cuda.is_available() else "cpu")
     overrides = args.overrides if args.overrides is not None else [*GPT, *SIZES[where]]
-    work = Path(tempfile.mkdtemp(prefix="bench_", dir=args.dir or ROOT))
+    work = Path(tempfile.mkdtemp(prefix="bench_", dir=args.dir or bench_project.root()))
     results: dict = {}
+    print(f"project: {bench_project.root()} (package {bench_project.package_name()})")
     print(f"workload: {' '.join(overrides) or '(defaults)'}; {args.repeats} round(s)")
     print(f"load average before: {_load()} ({os.cpu_count()} CPUs)")
     try:

@@ -1,7 +1,7 @@
 """``bench.py --only ckpt_memory``: peak resident memory per rank while saving and
 loading the same model + AdamW state under 2-process FSDP, ``checkpoint.format``
 full against sharded. Run by bench.py; each rank is this file run as a script
-(``python scripts/bench_ckpt_memory.py SPEC``, the rank in its environment)."""
+(``python bench/bench_ckpt_memory.py SPEC``, the rank in its environment)."""
 
 import json
 import os
@@ -9,8 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
+import bench_project
 
 # --- checkpoint memory: full vs sharded -------------------------------------------------------
 
@@ -44,10 +43,11 @@ def _child_ckpt_memory(spec: dict) -> None:
     from omegaconf import OmegaConf
     from safetensors.torch import load_file
 
-    from {{ cookiecutter.package_name }}.engine.accel import build_accelerator
-    from {{ cookiecutter.package_name }}.engine.checkpoint import format as fmt
-    from {{ cookiecutter.package_name }}.engine.checkpoint import full_state, sharded
-    from {{ cookiecutter.package_name }}.engine.fsdp import shard_model
+    build_accelerator = bench_project.module("engine.accel").build_accelerator
+    fmt = bench_project.module("engine.checkpoint.format")
+    full_state = bench_project.module("engine.checkpoint.full_state")
+    sharded = bench_project.module("engine.checkpoint.sharded")
+    shard_model = bench_project.module("engine.fsdp").shard_model
 
     cfg = OmegaConf.create(spec["config"])
     acc = build_accelerator(cfg, Path(spec["dir"]))
@@ -123,11 +123,8 @@ def bench_ckpt_memory(args, compose, work: Path, results: dict) -> None:
         env |= {"LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)  # freed tensors leave the RSS at once
         cmd = [sys.executable, str(Path(__file__).resolve()), str(folder / "spec.json")]
-        procs.append(
-            subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-        )
+        out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+        procs.append(subprocess.Popen(cmd, cwd=bench_project.root(), env=env, **out))
     for proc in procs:
         output, _ = proc.communicate(timeout=900)
         if proc.returncode != 0:

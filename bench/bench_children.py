@@ -1,6 +1,7 @@
-"""The processes ``bench.py`` times, each run as ``python scripts/bench_children.py
-KIND SPEC.json`` (under ``torchrun`` for the DDP kinds): ours (``train.py``), the
-bare loops it is compared with (one process, and DDP), and the start-up costs.
+"""The processes ``bench.py`` times, each run as ``python bench/bench_children.py
+KIND SPEC.json`` (under ``torchrun`` for the DDP kinds): ours (the project's
+``train.py``), the bare loops it is compared with (one process, and DDP), and the
+start-up costs. The project is ``bench_project``'s (``BENCH_PROJECT``, set by bench.py).
 
 Every training process gets the same step clock: a global optimizer-step hook
 (``torch.optim.optimizer.register_optimizer_step_post_hook``), so neither side
@@ -14,7 +15,8 @@ import time
 from pathlib import Path
 
 STARTED = time.time()  # this process's first line of Python (after the interpreter started)
-ROOT = Path(__file__).resolve().parent.parent
+
+import bench_project  # noqa: E402 (after the clock: what a start costs is timed from above)
 
 
 def install_step_clock(out_path: str, turns: dict | None = None) -> None:
@@ -60,9 +62,10 @@ def child_train(spec: dict) -> None:
     import runpy
 
     install_step_clock(spec["out"], spec.get("turns"))
-    sys.argv = [str(ROOT / "train.py"), *spec["overrides"]]
-    sys.path.insert(0, str(ROOT))
-    runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    root = bench_project.root()
+    sys.argv = [str(root / "train.py"), *spec["overrides"]]
+    sys.path.insert(0, str(root))
+    runpy.run_path(str(root / "train.py"), run_name="__main__")
 
 
 def _build(node: dict):
@@ -125,7 +128,7 @@ def bare_stepper(*, clip: float | None, bf16: bool, device):
     times it in-process too). The imports happen here, once, not in every step."""
     import torch
 
-    from {{ cookiecutter.package_name }} import task  # the same loss as train.py's
+    task = bench_project.module("task")  # the same loss as train.py's
 
     def step(model, optimizer, batch):
         batch = [t.to(device, non_blocking=True) for t in batch]
@@ -167,16 +170,16 @@ def child_startup(spec: dict) -> None:
     t = mark("import accelerate", t)
     import runpy
 
-    sys.path.insert(0, str(ROOT))
-    runpy.run_path(str(ROOT / "train.py"), run_name="bench_import")  # its imports only
+    root = bench_project.root()
+    sys.path.insert(0, str(root))
+    runpy.run_path(str(root / "train.py"), run_name="bench_import")  # its imports only
     t = mark("import the rest of train.py's modules", t)
     from hydra import compose, initialize_config_dir
 
-    from {{ cookiecutter.package_name }}.engine.config import register_resolvers, resolve_config
-
-    register_resolvers(ROOT)
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = resolve_config(compose("train", overrides=spec["overrides"]))
+    config = bench_project.module("engine.config")
+    config.register_resolvers(root)
+    with initialize_config_dir(config_dir=str(root / "configs"), version_base="1.3"):
+        cfg = config.resolve_config(compose("train", overrides=spec["overrides"]))
     t = mark("compose and resolve the config (Hydra)", t)
     from accelerate import Accelerator
 
@@ -184,9 +187,9 @@ def child_startup(spec: dict) -> None:
     mark("build the Accelerator", t)
     del cfg
     Path(spec["out"]).write_text(json.dumps(costs))
-    sys.argv = [str(ROOT / "train.py"), *spec["overrides"], "preflight.only=true"]
+    sys.argv = [str(root / "train.py"), *spec["overrides"], "preflight.only=true"]
     sys.argv.append(f"hydra.run.dir={spec['run_dir']}")
-    runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    runpy.run_path(str(root / "train.py"), run_name="__main__")
 
 
 if __name__ == "__main__":
