@@ -31,6 +31,8 @@ def bench_step(args, config: dict, work: Path, results: dict) -> None:
     build_accelerator = bench_project.module("engine.accel").build_accelerator
     instantiate = bench_project.module("engine.config").instantiate
     LossGuard = bench_project.module("engine.nonfinite").LossGuard
+    StopSignals = bench_project.module("engine.preemption").StopSignals
+    StepAgreement = bench_project.module("engine.agreement").StepAgreement
     state_module = bench_project.module("engine.state")
     TrainState, optimizer_step = state_module.TrainState, state_module.optimizer_step
 
@@ -42,7 +44,12 @@ def bench_step(args, config: dict, work: Path, results: dict) -> None:
     optimizer = instantiate(cfg.optimizer, what="optimizer")(model.parameters())
     model, wrapped, prepared = accelerator.prepare(model, optimizer, loaders.train)
     state = TrainState(model, wrapped, None, train_loader=prepared, val_loader=[])
-    guard = LossGuard(cfg.trainer.on_nan, accelerator)
+    guard = StepAgreement(  # the loop's: a NaN guard, no signals
+        accelerator=accelerator,
+        guard=LossGuard(cfg.trainer.on_nan, accelerator),
+        signals=StopSignals(enabled=False),
+        every_n_steps=cfg.trainer.log_every_n_steps,
+    )
     clip, device = cfg.trainer.grad_clip_norm, accelerator.device
     loss_sum = torch.zeros((), device=device)
 
@@ -70,7 +77,7 @@ def bench_step(args, config: dict, work: Path, results: dict) -> None:
             accelerator=accelerator,
             state=state,
             batch=next(our_batches),
-            guard=guard,
+            agreement=guard,
             clip_norm=clip,
         )
         loss_sum += loss.detach()

@@ -6,7 +6,7 @@ test split when the data has one) in ``eval.json``. ``python eval.py --help``.
     python eval.py ckpt=runs/exp1/checkpoints/step_0000500 parallel=ddp data.val_batch_size=64
 
 The model, data, seed and precision come from the run's own config; the command
-line's overrides apply on top. README: "Evaluate, predict, load a model".
+line's overrides apply on top. docs/lifecycle.md.
 """
 
 from pathlib import Path

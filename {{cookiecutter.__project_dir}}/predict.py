@@ -5,7 +5,7 @@ without duplicates. ``python predict.py --help``.
     python predict.py ckpt=runs/exp1                   # its best checkpoint, validation split
     python predict.py ckpt=runs/exp1 split=train weights=ema parallel=ddp
 
-What a prediction is, the task decides (task.predict). README: "Evaluate, predict, load a model".
+What a prediction is, the task decides (task.predict). docs/lifecycle.md.
 """
 
 from pathlib import Path

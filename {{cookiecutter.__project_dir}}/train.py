@@ -130,7 +130,7 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
         model, optimizer, loaders.train, loaders.val
     )
     # Resuming a checkpoint of another number of processes: the accumulation that
-    # keeps its global batch (else trainer.grad_accum_steps; README: "Elastic resume")
+    # keeps its global batch (else trainer.grad_accum_steps; docs/checkpoints.md, "Elastic resume")
     grad_accum = plan_grad_accum(
         cfg.checkpoint,
         run_dir=run_dir,

@@ -1,2 +1,2 @@
-"""The engine: everything but the task, the models and the data (docs/layout.md).
+"""The engine: everything but the task, the models and the data (README.md, "Layout").
 The owner's files reach it only through ``contract.py``."""

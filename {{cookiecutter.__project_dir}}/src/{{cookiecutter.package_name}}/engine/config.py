@@ -1,5 +1,5 @@
 """The config: resolvers, resolution, value checks of the infrastructure's own keys,
-and which keys may change when a run resumes (README: "Configuration").
+and which keys may change when a run resumes (docs/configuration.md).
 
 Hydra rejects unknown options and keys (struct mode); ``check_config`` checks
 values, naming key, value and what is allowed. The example model and data check

@@ -3,7 +3,7 @@ configs/debug/; ``debug=none``: nothing): the first N batches of a split (the sa
 ones every epoch for ``overfit``, and validation on them), autograd anomaly
 detection, and the torch profiler over a window of steps after warm-up, writing
 a Chrome/TensorBoard trace and a table of the top ops into ``<run dir>/profile/``
-(on CUDA also a memory snapshot when memory runs out). README: "Debug presets".
+(on CUDA also a memory snapshot when memory runs out). docs/debug.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ not improved by more than ``min_delta`` for ``patience`` evaluations. A stateful
 extra: the count of evaluations without improvement is saved in checkpoints, so
 a resumed run keeps it. Every rank sees the same evaluation (task.evaluate sums
 across ranks), so every rank decides the same without a collective.
-README: "Early stopping".
+docs/lifecycle.md.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ The average is torch's own ``AveragedModel`` with its EMA update (a well-kept
 implementation: foreach lerp over parameters and buffers). Under DDP every rank
 holds the same parameters, so every rank keeps the same average without a
 collective. Under FSDP/DeepSpeed the parameters are sharded: refused (below).
-README: "EMA weights".
+docs/lifecycle.md.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 task.py over the data's splits; ``eval.json`` (metrics, checkpoint, step, the
 config's differences from the training run) and ``predictions.csv`` (one row per
 sample, in dataset order, gathered across ranks without the distributed
-sampler's padding). README: "Evaluate, predict, load a model".
+sampler's padding). docs/lifecycle.md.
 """
 
 from __future__ import annotations

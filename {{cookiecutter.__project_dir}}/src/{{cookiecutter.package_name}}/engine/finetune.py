@@ -3,7 +3,7 @@ schedule) whose model starts from another run's weights. Strict: every key and
 shape must match, else a ConfigError before any training. Not strict: the keys
 that match in name and shape are loaded; the missing, unexpected and mismatched
 ones are reported in the log and in summary.json. Distinct from
-``checkpoint.resume``, which continues the same run. README: "Fine-tuning".
+``checkpoint.resume``, which continues the same run. docs/lifecycle.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """FSDP2 units (``parallel=fsdp``): which submodules get a ``fully_shard`` unit
 of their own, activation checkpointing and mixed precision per unit, then the
 root (torchtitan's recipe); and the process group of a one-process FSDP run.
-README: "Parallel and multi-node training".
+docs/parallel.md.
 
 The units below the root come from the first rule that finds any:
 

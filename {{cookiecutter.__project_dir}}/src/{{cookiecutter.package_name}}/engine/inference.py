@@ -2,7 +2,7 @@
 weights loaded safely (hash-verified, no unpickling), the model rebuilt from the
 run's own config (``load_model``), and the config eval.py/predict.py run with
 (the run's model, data and precision, plus the command line's overrides).
-README: "Evaluate, predict, load a model".
+docs/lifecycle.md.
 
     from {{ cookiecutter.package_name }}.engine.inference import load_model
     model = load_model("runs/exp1")                  # best checkpoint, eval mode

@@ -2,7 +2,7 @@
 helper that builds loaders with the rules that keep runs reproducible and resumable
 (``make_loaders``), and what the loop asks of a loader: its length (none for a
 stream: ``run_length``) and where a resumed epoch continues (``continue_epoch``).
-README: "Your own data".
+docs/data.md.
 
 A data function (``configs/data/<name>.yaml``'s ``_target_``) takes its YAML keys as
 arguments, including ``batch_size`` and ``seed: ${seed}``, and returns

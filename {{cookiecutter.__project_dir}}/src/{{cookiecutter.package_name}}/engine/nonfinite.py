@@ -13,7 +13,7 @@
   the step's one all-reduce (agreement.py), and the stop signal rides along.
 
 The count of skipped steps is saved in checkpoints (``trainer_state.json``) and
-reported in ``summary.json`` as ``skipped_nan_steps``. README: "Checkpoints and resuming".
+reported in ``summary.json`` as ``skipped_nan_steps``. docs/checkpoints.md.
 """
 
 import logging

@@ -7,7 +7,7 @@ Every rate is over the same window (the log steps since the previous one) and
 training time only: time in ``RunClock.excluded`` blocks (evaluation, the part
 of a checkpoint save that blocks training) is left out and reported on its
 own, as ``perf/eval_s`` and ``perf/ckpt_blocking_s`` (seconds, whole run).
-README: "Performance"."""
+docs/run-dir.md."""
 
 import contextlib
 import datetime

@@ -8,7 +8,7 @@ that trial through the storage. Only the main process talks to the storage;
 the decision is broadcast, so every rank stops at the same step. A pruned run
 raises :class:`TrialPruned` (exit code 4) after its checkpoints of that step are
 saved; the sweeper records the trial as PRUNED. Outside an Optuna sweep the
-reporter does nothing and optuna need not be installed. See README.md, "Sweeps".
+reporter does nothing and optuna need not be installed. See docs/sweeps.md.
 """
 
 import logging

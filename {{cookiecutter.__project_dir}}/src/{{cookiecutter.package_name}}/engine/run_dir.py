@@ -2,7 +2,7 @@
 
 It holds ``.hydra/``, the resolved ``config.yaml`` and ``config.json``,
 ``train.log``, ``metrics.csv``, ``checkpoints/`` and, at the end,
-``summary.json`` and ``model.safetensors`` (README: "The run directory").
+``summary.json`` and ``model.safetensors`` (docs/run-dir.md).
 
 - The default name is unique per launch (start time plus a short id of the
   launching process), the same on every rank, and ``slurm-<job id>`` in SLURM

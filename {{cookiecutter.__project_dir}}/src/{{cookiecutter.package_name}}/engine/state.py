@@ -2,7 +2,7 @@
 
 ``TrainState`` is built in train.py and handed (keyword-only) to the checkpoint
 manager and preflight: what a checkpoint saves and restores. ``optimizer_step``
-is the one step the loop and preflight's timed steps take. README: "Checkpoints and resuming".
+is the one step the loop and preflight's timed steps take. docs/checkpoints.md.
 """
 
 import contextlib
@@ -80,7 +80,7 @@ def _accumulation(accelerator: Any, model: torch.nn.Module) -> Any:
     and enters DDP's ``no_sync`` until the last one. With one micro-batch per
     step every micro-batch syncs (``sync_gradients`` stays True, as accelerate
     starts it), so the context is skipped: ~0.07 ms of a 5.5 ms CPU step of the
-    tiny GPT (``bench.py --only step``)."""
+    tiny GPT (the template's ``bench/bench.py --only step``)."""
     if accelerator.gradient_accumulation_steps == 1:
         return contextlib.nullcontext()
     return accelerator.accumulate(model)
@@ -124,8 +124,8 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
 def zero_grad(optimizer: Any) -> None:
     """``optimizer.zero_grad(set_to_none=True)`` at a step's end. accelerate's plain
     wrapper checks the inner optimizer's signature on every call (``inspect``:
-    ~15 us alone, ~0.1 ms of a 10 ms CPU step in ``bench.py --only step``); at an
-    optimizer step that is all it does besides the inner call, so the inner one
+    ~15 us alone, ~0.1 ms of a 10 ms CPU step in the template's
+    ``bench/bench.py --only step``); at an optimizer step that is all it does besides the inner call, so the inner one
     is called directly. Its subclasses (DeepSpeed's, whose engine zeroes its own
     buffers) keep their own ``zero_grad``."""
     inner = getattr(optimizer, "optimizer", None)

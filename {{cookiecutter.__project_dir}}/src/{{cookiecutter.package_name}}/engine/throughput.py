@@ -1,6 +1,6 @@
 """Throughput: samples/s, tokens/s and MFU, one code path for the log lines,
 preflight's estimate and summary.json's ``rates``; and the one table of devices'
-peak FLOPs (README: "Performance").
+peak FLOPs (docs/preflight.md, MFU).
 
 MFU = training FLOPs/s achieved / the devices' peak. A model declares its cost:
 ``flops_per_token()`` (sequence models) or ``flops_per_sample()`` (forward +

@@ -1,7 +1,7 @@
 """The tracker classes for accelerate's tracker API: CSV (metrics.csv), TensorBoard,
 W&B and MLflow, each offline by default and continuing its run after a resume (the
 run ids come from the checkpoints). Optional packages are imported when a tracker
-starts. Which trackers a run gets is tracking.py's. README: "Experiment trackers".
+starts. Which trackers a run gets is tracking.py's. docs/trackers.md.
 """
 
 import contextlib

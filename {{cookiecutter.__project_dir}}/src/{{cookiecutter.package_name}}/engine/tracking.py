@@ -2,7 +2,7 @@
 MLflow; the classes are trackers.py's), the run ids a resumed run continues,
 ``readiness`` for preflight, and what only some trackers do (W&B's watch,
 MLflow's model). A missing optional package stops the run first, naming the
-install. README: "Experiment trackers".
+install. docs/trackers.md.
 """
 
 import logging

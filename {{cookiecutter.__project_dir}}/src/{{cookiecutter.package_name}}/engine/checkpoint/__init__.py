@@ -6,7 +6,7 @@
 half), ``async_save`` (staging, background writer), ``full_state`` (model and
 optimizer state gathered to full tensors), ``sharded`` (per-rank DCP safetensors
 shards), ``elastic`` (resuming on another number of processes), ``__main__``
-(the list/verify/export CLI). README: "Checkpoints and resuming".
+(the list/verify/export CLI). docs/checkpoints.md.
 """
 
 from .elastic import plan_grad_accum

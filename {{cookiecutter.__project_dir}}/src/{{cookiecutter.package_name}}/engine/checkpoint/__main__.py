@@ -8,7 +8,7 @@ inspect checkpoints.
                                                 tied weights once, named in its metadata
                                                 (checkpoint/ties.py: load_file)
 
-README: "Checkpoints and resuming".
+docs/checkpoints.md.
 """
 
 import argparse

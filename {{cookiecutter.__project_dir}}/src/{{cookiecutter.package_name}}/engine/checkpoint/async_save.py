@@ -3,7 +3,7 @@
 ``save`` copies the state into CPU buffers (reused between saves; page-locked,
 without waiting, from a GPU) and returns; a background thread writes and, on the
 main process, commits it with the same protocol. Collectives stay in the main
-thread; at most one save is in flight. README: "Checkpoints and resuming".
+thread; at most one save is in flight. docs/checkpoints.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Checksums of checkpoint files: the algorithm, manifest entries naming it,
 and the writer that hashes a file from the buffers it writes.
 
-The checksum is XXH3-128 (``HASH``), chosen by measurement (bench.py; ~5 GB/s
+The checksum is XXH3-128 (``HASH``), chosen by measurement (the template's bench/; ~5 GB/s
 on one core against ~0.5 GB/s for sha256 and ~1.4 GB/s for multi-threaded
 BLAKE3 on the 2-core machine of issue 18): it guards against corruption, which
 is its purpose; the manifest is not signed, and a forged file is defeated by

@@ -2,7 +2,7 @@
 ``step_N.tmp/``, then the main process writes the manifest, commits (rename),
 replaces the pointers and prunes. The same code runs for sync saves (main
 thread, barriers) and async ones (a background thread, no collectives).
-README: "Checkpoints and resuming".
+docs/checkpoints.md.
 """
 
 import json
@@ -115,7 +115,7 @@ def write_error(job: async_save.SaveJob, failed: Exception) -> CheckpointError:
         return CheckpointError(
             f"could not write checkpoint {job.name} in {job.root}: {failed}. Earlier "
             "checkpoints are intact; this is not a disk problem: the state itself could "
-            'not be written in this format (checkpoint.format, README: "Checkpoints and resuming").'
+            "not be written in this format (checkpoint.format, docs/checkpoints.md)."
         )
     return CheckpointError(
         f"could not write checkpoint {job.name} in {job.root}: {failed.strerror or failed} "

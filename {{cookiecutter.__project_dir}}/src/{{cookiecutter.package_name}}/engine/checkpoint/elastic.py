@@ -5,7 +5,7 @@ on M processes continues the same epoch order from the same sample; the global
 batch (processes x per-process batch x accumulation) is kept by adjusting the
 gradient accumulation when it divides, else it changes with a warning. Also
 which checkpoints ``checkpoint.resume`` names (shared with the manager).
-README: "Checkpoints and resuming".
+docs/checkpoints.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The checkpoints folder: step names, which checkpoints a path names, the
 ``latest.json``/``best.json`` pointers, pruning (keep last N and the best), and
 the clean-up of interrupted saves and of a superseded timeline. The files inside
-one checkpoint are format.py's. README: "Checkpoints and resuming".
+one checkpoint are format.py's. docs/checkpoints.md.
 """
 
 from __future__ import annotations

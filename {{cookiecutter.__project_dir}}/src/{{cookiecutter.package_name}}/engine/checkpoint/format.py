@@ -6,7 +6,7 @@ No accelerator: unit-testable.
 (``scaler.pt``), ``rng_rank{r}.pt``, ``trainer_state.json``, ``config.json`` and,
 written last, ``MANIFEST.json`` (checksum and size of every file, checksums.py); a
 sharded one (sharded.py) has ``model/`` and ``optimizer/`` shards instead. Nothing is
-unpickled beyond ``torch.load(weights_only=True)``. README: "Checkpoints and resuming".
+unpickled beyond ``torch.load(weights_only=True)``. docs/checkpoints.md.
 """
 
 from __future__ import annotations

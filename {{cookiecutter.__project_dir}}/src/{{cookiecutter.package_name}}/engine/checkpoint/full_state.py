@@ -4,7 +4,7 @@ to FSDP shards: what DDP and single-process runs use), or, for ``sharded``
 (``auto`` under FSDP), each rank's own shards (sharded.py). Both load into any
 world size and parallel mode. Also the run's final ``model.safetensors``. Tied
 parameters are stored once under both layouts and re-tied on load (ties.py).
-README: "Checkpoints and resuming".
+docs/checkpoints.md.
 """
 
 import json

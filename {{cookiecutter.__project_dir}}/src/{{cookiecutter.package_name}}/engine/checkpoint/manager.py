@@ -1,5 +1,5 @@
 """Saving when policy.py says so, what to resume, and the commit protocol
-(README: "Checkpoints and resuming").
+(docs/checkpoints.md).
 
 Protocol: every rank writes into ``step_N.tmp/`` -> barrier -> the main process
 fsyncs, writes MANIFEST.json, renames to ``step_N/``, fsyncs, replaces the

@@ -2,7 +2,7 @@
 new best of ``save_best.monitor``, a stop signal, the last step) and how many
 checkpoints can be on disk at once. Plain functions of the config section: the
 manager applies them at every step, preflight asks them for the plan.
-README: "Checkpoints and resuming".
+docs/checkpoints.md.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ no DCP ``.metadata`` pickle is written or read. The optimizer's non-tensor value
 (param-group hyperparameters) go to ``optimizer_groups.json``. Loading reads
 every rank's slices from the headers, for any world size and parallel mode
 (``HuggingFaceStorageReader``). No rank ever holds the full state.
-README: "Checkpoints and resuming".
+docs/checkpoints.md.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ others as ``{alias: kept name}``: ``ties.json`` in a checkpoint, ``"tied"`` in t
 metadata of an exported or final ``model.safetensors``. Loading puts the kept tensor
 back under every alias, so ``load_state_dict`` (strict) sets each name, and a model
 that ties them stays tied. Found generically: names grouped by parameter identity.
-README: "Checkpoints and resuming".
+docs/checkpoints.md.
 """
 
 from __future__ import annotations

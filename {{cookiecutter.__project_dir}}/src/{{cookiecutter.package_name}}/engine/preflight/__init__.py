@@ -2,7 +2,7 @@
 
 ``report.run_preflight`` (the entry point), ``checks`` (devices, memory, disk,
 speed, distributed, trackers), ``probe`` (checkpoint round trip and timed steps).
-README: "Preflight: checks before a long run".
+docs/preflight.md.
 """
 
 from .checks import PreflightFailed

@@ -2,7 +2,7 @@
 
 Each returns a ``Check`` (pass, warn or fail, with the fix); ``report.py`` runs
 them on every rank and writes the table and ``preflight.json``; ``probe.py``
-measures what memory, disk and speed judge. README: "Preflight: checks before a long run".
+measures what memory, disk and speed judge. docs/preflight.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The starting state is saved with the run's own checkpoint code, steps are timed
 through the loop's own ``optimizer_step`` (task.py's loss, the NaN guard,
 clipping), a second save sizes a checkpoint, and loading the first puts the
-state back, compared tensor for tensor. README: "Preflight: checks before a long run".
+state back, compared tensor for tensor. docs/preflight.md.
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ def _time_steps(cfg: DictConfig, acc: Any, state: TrainState) -> Timing:
         # More steps while they took under min_timed_seconds and their times
         # still scatter: a tiny model's few milliseconds would measure the OS
         # scheduler, not the step. Steady times are estimate enough (preflight's
-        # cost stays small, README "Performance"). Every rank takes the same
+        # cost stays small, the template's bench/README.md). Every rank takes the same
         # number (each step holds collectives), so every rank asks the others,
         # also one whose own steps took long enough: the ranks' clocks differ, and
         # a rank that skipped this collective would hang the others in it.

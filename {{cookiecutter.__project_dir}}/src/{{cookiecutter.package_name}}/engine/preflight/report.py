@@ -4,7 +4,7 @@
 before the first step; ``preflight.only=true`` runs it alone (exit 0 or 1). The
 report is a table in the log and ``preflight.json`` in the run dir. The checks
 are in ``checks.py``, the round trip and timed steps in ``probe.py``.
-README: "Preflight: checks before a long run".
+docs/preflight.md.
 """
 
 from __future__ import annotations
