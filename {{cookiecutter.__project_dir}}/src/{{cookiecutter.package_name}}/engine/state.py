@@ -123,11 +123,11 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
 
 def zero_grad(optimizer: Any) -> None:
     """``optimizer.zero_grad(set_to_none=True)`` at a step's end. accelerate's plain
-    wrapper checks the inner optimizer's signature on every call (``inspect``:
-    ~15 us alone, ~0.1 ms of a 10 ms CPU step in the template's
-    ``bench/bench.py --only step``); at an optimizer step that is all it does
-    besides the inner call, so the inner one is called directly. Its subclasses (DeepSpeed's, whose engine zeroes its own
-    buffers) keep their own ``zero_grad``."""
+    wrapper checks the inner optimizer's signature on every call (``inspect``: ~15 us
+    alone, ~0.1 ms of a 10 ms CPU step in the template's ``bench/bench.py --only
+    step``); at an optimizer step that is all it does besides the inner call, so the
+    inner one is called directly. Its subclasses (DeepSpeed's, whose engine zeroes
+    its own buffers) keep their own ``zero_grad``."""
     inner = getattr(optimizer, "optimizer", None)
     plain = upstream.is_plain_accelerated_optimizer(optimizer)
     if plain and _takes_set_to_none(type(inner).zero_grad):
