@@ -149,8 +149,14 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
     )
     # trainer.ema: a moving average of the weights (val_ema/*); early stopping on monitor
     ema = WeightAverage(**cfg.trainer.ema, model=model, accelerator=accelerator)
+    # every metric's last value and every "best" (trainer.monitor's, the best checkpoint's,
+    # early stopping's): one book decides them
+    book = MetricBook(cfg.trainer.monitor, cfg.trainer.monitor_mode)
     stopper = EarlyStopping(
-        **cfg.trainer.early_stopping, monitor=cfg.trainer.monitor, mode=cfg.trainer.monitor_mode
+        **cfg.trainer.early_stopping,
+        monitor=cfg.trainer.monitor,
+        mode=cfg.trainer.monitor_mode,
+        book=book,
     )
     accelerator.init_trackers(cfg.project, config=flatten_config(OmegaConf.to_container(cfg)))
     watch_model(accelerator, model)  # W&B gradient/parameter histograms (tracker.wandb.watch)
@@ -162,7 +168,6 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
     )
 
     # --- the state; checkpoints: resume where an earlier run of this run dir stopped --
-    book = MetricBook(cfg.trainer.monitor, cfg.trainer.monitor_mode)
     clock = RunClock()  # training time of the whole run, across resumes
     state = TrainState(
         model=model,
@@ -191,6 +196,7 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
         run_dir=run_dir,
         accelerator=accelerator,
         state=state,
+        book=book,  # which step was a new best of checkpoint.save_best.monitor
         agreement=agreement,  # before every save: no checkpoint after a NaN
         timeout_s=cfg.parallel.get("timeout_s") or 1800,
     )
@@ -251,7 +257,7 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
                 continue  # still accumulating micro-batches
             scheduler.step()
             ema.update(model)
-            step += 1
+            step = state.advance(epoch, batch)  # TrainState keeps where training is
             progress.advance()
             debug.step()
 
@@ -286,13 +292,11 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
                 book.update(metrics, step, require_monitor=True)
                 accelerator.log(metrics, step=step)
                 progress.report(step, metrics)
-                stopper.observe(metrics, step)  # trainer.early_stopping: patience runs out?
+                stopper.observe(step)  # trainer.early_stopping: patience runs out?
 
             # every N steps/epochs, a new best, after a stop signal
             with clock.excluded("ckpt_blocking"):
-                ckpt.maybe_save(
-                    step, epoch, batch, metrics=book.last, fresh=book.fresh(step), stop=stop
-                )
+                ckpt.maybe_save(metrics=book.last, stop=stop)
             trial.report_and_check(step, book)  # Optuna pruning: raises TrialPruned (saved first)
             if step == total_steps or stop or stopper.stopped:
                 break

@@ -20,6 +20,7 @@ from {{ cookiecutter.package_name }}.engine.config import (
     allowed_config_changes,
     config_differences,
 )
+from {{ cookiecutter.package_name }}.engine.metrics import MetricBook
 from {{ cookiecutter.package_name }}.engine.nonfinite import LossGuard, NonFiniteLoss
 from {{ cookiecutter.package_name }}.engine.preemption import StopSignals, TrainingInterrupted
 from {{ cookiecutter.package_name }}.engine.state import TrainState
@@ -162,6 +163,7 @@ def manager(tmp_path: Path, batches: int = 10, **checkpoint) -> CheckpointManage
         run_dir=tmp_path,
         accelerator=Accelerator(cpu=True),
         state=state,
+        book=MetricBook("val/acc", "max"),
     )
 
 
@@ -200,19 +202,25 @@ def test_planned_saves_and_checkpoints_on_disk(tmp_path):
     assert epochs.kept_on_disk() == (4, "keep_last 3 + 1 in flight")
 
 
-def test_best_rule_reads_the_metrics_passed_in(tmp_path):
+def test_best_rule_asks_the_metric_book(tmp_path):
     ckpt = manager(
         tmp_path,
         every_n_steps=None,
         save_best={"enabled": True, "monitor": "val/acc", "mode": "max"},
     )
-    assert ckpt.maybe_save(1, 0, 1, metrics={}, fresh={"train/loss": 1.0}, stop=False) is None
-    saved = ckpt.maybe_save(2, 0, 2, metrics={"val/acc": 0.5}, fresh={"val/acc": 0.5}, stop=False)
+
+    def at(step: int, logged: dict, stop: bool = False):  # the loop: log, then maybe save
+        ckpt.state.advance(epoch=0, batch=step)
+        ckpt.book.update(logged, step)
+        return ckpt.maybe_save(metrics=ckpt.book.last, stop=stop)
+
+    assert at(1, {"train/loss": 1.0}) is None
+    saved = at(2, {"val/acc": 0.5})
     assert saved == tmp_path / "checkpoints" / "step_0000002"
     assert json.loads((saved / fmt.MANIFEST).read_text())["reasons"] == ["best"]
-    assert ckpt.maybe_save(3, 0, 3, metrics={}, fresh={"val/acc": 0.4}, stop=False) is None
-    assert ckpt.maybe_save(4, 0, 4, metrics={}, fresh={"val/acc": float("nan")}, stop=False) is None
-    stopped = ckpt.maybe_save(5, 0, 5, metrics={}, fresh={}, stop=True)
+    assert at(3, {"val/acc": 0.4}) is None
+    assert at(4, {"val/acc": float("nan")}) is None
+    stopped = at(5, {}, stop=True)
     assert json.loads((stopped / fmt.MANIFEST).read_text())["reasons"] == ["signal"]
     best = json.loads((tmp_path / "checkpoints" / "best.json").read_text())
     assert best == {"step": 2, "path": "step_0000002", "monitor": "val/acc", "value": 0.5}

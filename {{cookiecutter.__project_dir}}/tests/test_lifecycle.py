@@ -23,6 +23,7 @@ from {{ cookiecutter.package_name }}.engine.config import (
 from {{ cookiecutter.package_name }}.engine.early_stopping import EarlyStopping
 from {{ cookiecutter.package_name }}.engine.finetune import init_from
 from {{ cookiecutter.package_name }}.engine.inference import load_model, resolve_checkpoint
+from {{ cookiecutter.package_name }}.engine.metrics import MetricBook
 
 from .conftest import CONFIG_DIR, FAST, ONE_PROCESS, PROJECT_ROOT, run_train
 from .test_checkpoint import ckpt_dir, kill_when_paused
@@ -224,10 +225,14 @@ def test_init_from_strict_and_not_strict(trained, tmp_path):
 
 
 def test_early_stopping_rule():
-    stopper = EarlyStopping(patience=2, min_delta=0.01, monitor="val/loss", mode="min")
-    assert [
-        stopper.observe({"val/loss": v}, s) for s, v in enumerate([1.0, 0.995, 0.9, 0.895, 0.9])
-    ] == [
+    book = MetricBook("val/loss", "min")  # one book decides every best of the run
+    stopper = EarlyStopping(patience=2, min_delta=0.01, monitor="val/loss", mode="min", book=book)
+
+    def observe(step: int, value: float) -> bool:
+        book.update({"val/loss": value}, step)
+        return stopper.observe(step)
+
+    assert [observe(s, v) for s, v in enumerate([1.0, 0.995, 0.9, 0.895, 0.9])] == [
         False,
         False,
         False,
@@ -235,11 +240,12 @@ def test_early_stopping_rule():
         True,
     ]
     assert stopper.stopped_step == 4 and stopper.best == 0.9
-    again = EarlyStopping(patience=2, monitor="val/loss", mode="min")
+    assert book.best_value == 0.895  # trainer.monitor's best: any improvement counts
+    again = EarlyStopping(patience=2, monitor="val/loss", mode="min", book=MetricBook("x", "max"))
     again.load_state_dict(json.loads(json.dumps(stopper.state_dict())))
     assert again.stopped and again.bad_evaluations == 2
     with pytest.raises(ConfigError, match=r"trainer\.early_stopping\.patience=0 is not allowed"):
-        EarlyStopping(patience=0, monitor="val/loss", mode="min")
+        EarlyStopping(patience=0, monitor="val/loss", mode="min", book=book)
 
 
 def test_bad_lifecycle_keys_fail_before_any_work(compose_cfg, tmp_path):

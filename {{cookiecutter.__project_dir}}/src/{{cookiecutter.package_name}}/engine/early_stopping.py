@@ -9,7 +9,6 @@ docs/lifecycle.md.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 from .config import require
@@ -18,10 +17,18 @@ log = logging.getLogger(__name__)
 
 
 class EarlyStopping:
-    """``patience=None``: off (``observe`` never stops, nothing in summary.json)."""
+    """``patience=None``: off (``observe`` never stops, nothing in summary.json).
+    Whether an evaluation improved it asks the run's MetricBook (``book``), which
+    keeps the monitor's best improved by more than ``min_delta``."""
 
     def __init__(
-        self, *, patience: int | None = None, min_delta: float = 0.0, monitor: str, mode: str
+        self,
+        *,
+        patience: int | None = None,
+        min_delta: float = 0.0,
+        monitor: str,
+        mode: str,
+        book: Any,
     ) -> None:
         ok = patience is None or (isinstance(patience, int) and not isinstance(patience, bool))
         require(
@@ -36,7 +43,9 @@ class EarlyStopping:
         )
         self.patience, self.min_delta = patience, float(min_delta)
         self.monitor, self.mode = monitor, mode
-        self.best: float | None = None
+        self.book = book
+        if patience is not None:
+            book.watch(monitor, mode, self.min_delta)
         self.bad_evaluations = 0
         self.stopped_step: int | None = None
         self.reason: str | None = None
@@ -45,22 +54,18 @@ class EarlyStopping:
     def stopped(self) -> bool:
         return self.stopped_step is not None
 
-    def improved(self, value: float) -> bool:
-        if math.isnan(value):
-            return False
-        if self.best is None:
-            return True
-        if self.mode == "max":
-            return value > self.best + self.min_delta
-        return value < self.best - self.min_delta
+    @property
+    def best(self) -> float | None:
+        return self.book.best_of(self.monitor, self.mode, self.min_delta).value
 
-    def observe(self, metrics: dict[str, float], step: int) -> bool:
-        """After an evaluation: True when training should stop now."""
-        if self.patience is None or self.stopped or self.monitor not in metrics:
+    def observe(self, step: int) -> bool:
+        """After an evaluation at ``step`` (its metrics in the book): True when training
+        should stop now."""
+        logged = self.book.last_step.get(self.monitor) == step
+        if self.patience is None or self.stopped or not logged:
             return self.stopped
-        value = metrics[self.monitor]
-        if self.improved(value):
-            self.best, self.bad_evaluations = value, 0
+        if self.book.new_best_at(step, self.monitor, self.mode, self.min_delta):
+            self.bad_evaluations = 0
         else:
             self.bad_evaluations += 1
         if self.bad_evaluations >= self.patience:
@@ -87,14 +92,12 @@ class EarlyStopping:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "best": self.best,
             "bad_evaluations": self.bad_evaluations,
             "stopped_step": self.stopped_step,
             "reason": self.reason,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.best = state["best"]
         self.bad_evaluations = int(state["bad_evaluations"])
         self.stopped_step = state["stopped_step"]
         self.reason = state["reason"]

@@ -1,13 +1,39 @@
-"""Remember the last value of every logged metric and the best monitored one
-(``MetricBook``), and average the training loss and the task's logs over a log
-window (``WindowMeans``)."""
+"""The metrics a run has logged (``MetricBook``): the last value of each and every
+"best" the run keeps, one place that decides them: ``trainer.monitor``'s (the value
+train.py returns to a sweeper), ``checkpoint.save_best.monitor``'s (checkpoint/policy.py
+asks it which step was a new best) and early stopping's (early_stopping.py asks it,
+with its ``min_delta``). And the training loss and the task's logs averaged over a
+log window (``WindowMeans``)."""
 
 import math
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from .config import ConfigError
+
+
+@dataclass
+class Best:
+    """The best value of ``name`` so far (``mode``: min or max), improved only by more
+    than ``min_delta``; NaN never improves it."""
+
+    name: str
+    mode: str
+    min_delta: float = 0.0
+    value: float | None = None
+    step: int | None = None
+
+    def offer(self, value: float, step: int) -> bool:
+        if math.isnan(value):
+            return False
+        if self.value is not None:
+            margin = value - self.value if self.mode == "max" else self.value - value
+            if margin <= self.min_delta:
+                return False
+        self.value, self.step = value, step
+        return True
 
 
 class MetricBook:
@@ -16,11 +42,18 @@ class MetricBook:
         self.mode = mode
         self.last: dict[str, float] = {}
         self.last_step: dict[str, int] = {}  # the step each metric was last logged at
-        self.best_value: float | None = None
-        self.best_step: int | None = None
+        self._bests: dict[tuple[str, str, float], Best] = {}
+        self.watch(monitor, mode)
+
+    def watch(self, name: str, mode: str, min_delta: float = 0.0) -> Best:
+        """Keep the best of ``name`` (from now on; a resumed book has it already)."""
+        key = (name, mode, float(min_delta))
+        if key not in self._bests:
+            self._bests[key] = Best(name, mode, float(min_delta))
+        return self._bests[key]
 
     def update(self, values: dict[str, float], step: int, require_monitor: bool = False) -> bool:
-        """Record ``values``; return True when the monitored metric improved.
+        """Record ``values`` and every best they improve; True when trainer.monitor's did.
 
         With ``require_monitor`` (at evaluations), a monitor that was never
         logged is a configuration error, caught at the first evaluation.
@@ -32,22 +65,30 @@ class MetricBook:
                 f"trainer.monitor={self.monitor!r} is not a logged metric; "
                 f"available: {', '.join(sorted(self.last))}"
             )
-        if self.monitor not in values:
-            return False
-        value = values[self.monitor]
-        if math.isnan(value):
-            return False
-        better = (
-            self.best_value is None
-            or (self.mode == "max" and value > self.best_value)
-            or (self.mode == "min" and value < self.best_value)
-        )
-        if better:
-            self.best_value, self.best_step = value, step
-        return better
+        improved = {
+            key: best.offer(values[best.name], step)
+            for key, best in self._bests.items()
+            if best.name in values
+        }
+        return improved.get((self.monitor, self.mode, 0.0), False)
+
+    def new_best_at(self, step: int, name: str, mode: str, min_delta: float = 0.0) -> bool:
+        """Whether ``name``'s value logged at ``step`` was a new best (watched)."""
+        return self.watch(name, mode, min_delta).step == step and self.last_step.get(name) == step
+
+    def best_of(self, name: str, mode: str, min_delta: float = 0.0) -> Best:
+        return self.watch(name, mode, min_delta)
+
+    @property
+    def best_value(self) -> float | None:
+        return self.best_of(self.monitor, self.mode).value
+
+    @property
+    def best_step(self) -> int | None:
+        return self.best_of(self.monitor, self.mode).step
 
     def fresh(self, step: int) -> dict[str, float]:
-        """The metrics logged at ``step`` (e.g. for the checkpoint's best rule)."""
+        """The metrics logged at ``step``."""
         return {k: self.last[k] for k, at in self.last_step.items() if at == step}
 
     def best(self) -> dict[str, Any]:
@@ -58,15 +99,15 @@ class MetricBook:
         return {
             "last": dict(self.last),
             "last_step": dict(self.last_step),
-            "best_value": self.best_value,
-            "best_step": self.best_step,
+            "bests": [asdict(best) for best in self._bests.values()],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.last = dict(state["last"])
         self.last_step = {k: int(v) for k, v in state["last_step"].items()}
-        self.best_value = state["best_value"]
-        self.best_step = state["best_step"]
+        for saved in state.get("bests", []):
+            best = self.watch(saved["name"], saved["mode"], saved["min_delta"])
+            best.value, best.step = saved["value"], saved["step"]
 
 
 class WindowMeans:

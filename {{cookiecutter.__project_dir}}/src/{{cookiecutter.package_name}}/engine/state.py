@@ -34,8 +34,9 @@ class Position:
 
 @dataclass
 class TrainState:
-    """The prepared model, optimizer and scheduler, the loaders, the position,
-    and ``stateful`` extras: objects with ``state_dict()``/``load_state_dict()``
+    """The prepared model, optimizer and scheduler, the loaders, the position (where
+    training is: the loop advances it, checkpoints save it, resume sets it), and
+    ``stateful`` extras: objects with ``state_dict()``/``load_state_dict()``
     of JSON-able dicts (e.g. the MetricBook), saved in ``trainer_state.json``."""
 
     model: torch.nn.Module
@@ -45,6 +46,12 @@ class TrainState:
     val_loader: Any
     position: Position = field(default_factory=Position)
     stateful: dict[str, Any] = field(default_factory=dict)
+
+    def advance(self, epoch: int, batch: int) -> int:
+        """One optimizer step done, its last micro-batch ``batch`` of ``epoch``: the
+        position moves on (the one place it is kept); returns the new step."""
+        self.position = Position(self.position.step + 1, epoch, batch)
+        return self.position.step
 
 
 def optimizer_step(

@@ -47,6 +47,7 @@ class CheckpointManager:
         run_dir: Path,
         accelerator: Any,
         state: TrainState,
+        book: Any = None,
         agreement: Any = None,
         timeout_s: float = 1800.0,
     ) -> None:
@@ -72,13 +73,15 @@ class CheckpointManager:
             ("sharded" if accelerator.is_fsdp2 else "full") if layout == "auto" else layout
         )
         self.agreement = agreement
+        self.book = book  # the MetricBook: which step was a new best of save_best.monitor
+        if book is not None:
+            policy.watch_best(self.ck, book)
         self.timeout_s = float(timeout_s or 1800)
         self.best: dict[str, Any] | None = None  # step, value of save_best.monitor
         self.resumed_from: str | None = None
         self.last_saved: Path | None = None
         self._last_saved_step: int | None = None
         self._pending_best: dict[str, Any] | None = None
-        self._position = Position()  # of the last step boundary seen
         self._metrics: dict[str, float] = {}  # the latest metrics, for the manifest
         # checkpoint.async: stage in memory, write and commit in a background thread.
         self.asynchronous = bool(self.ck.get("async", False))
@@ -160,7 +163,7 @@ class CheckpointManager:
                 problems.append(str(err))
                 continue
             self.resumed_from = str(ckpt)
-            self._position = self.state.position = position
+            self.state.position = position
             self.accelerator.wait_for_everyone()  # every rank chose before anything moves
             if self.accelerator.is_main_process:
                 for old, new in folder.set_aside_newer_than(self.dir, position.step):
@@ -245,21 +248,23 @@ class CheckpointManager:
 
     # --- save ------------------------------------------------------------------------
 
-    def maybe_save(
-        self, step: int, epoch: int, batch: int, *, metrics: dict, fresh: dict, stop: bool
-    ) -> Path | None:
-        """At every optimizer-step boundary: save when a rule says so (every N
-        steps, at the end of every N epochs, on a new best value of
-        ``save_best.monitor`` among the ``fresh`` metrics logged at this step,
-        after a stop signal: ``stop``, from ``StepAgreement.at_step``).
-        ``metrics``: the latest value of every metric, for the manifest."""
-        self._position = Position(step, epoch, batch)
+    def maybe_save(self, *, metrics: dict, stop: bool) -> Path | None:
+        """At every optimizer-step boundary (the state's position): save when a rule
+        says so (every N steps, at the end of every N epochs, on a new best value of
+        ``save_best.monitor`` logged at this step (the book decides), after a stop
+        signal: ``stop``, from ``StepAgreement.at_step``). ``metrics``: the latest
+        value of every metric, for the manifest."""
+        step, epoch, batch = (
+            self.state.position.step,
+            self.state.position.epoch,
+            self.state.position.batch,
+        )
         self._metrics = dict(metrics)
         if not self.enabled:
             return None
         if self._in_flight is not None and not self._in_flight.thread.is_alive():
             self.wait()  # done: a failure surfaces now rather than at the next save
-        self._pending_best = policy.new_best(self.ck, step, fresh, self.best)
+        self._pending_best = policy.new_best(self.ck, step, self.book) if self.book else None
         reasons = policy.save_reasons(
             self.ck,
             step=step,
@@ -275,9 +280,13 @@ class CheckpointManager:
 
     def finish(self, *, metrics: dict, stop: bool) -> None:
         """After the loop: the final save (``save_last``; after a stop signal,
-        the stop checkpoint) and the save in flight committed on every rank.
-        The position saved is the last one passed to ``maybe_save``."""
-        step, epoch, batch = self._position.step, self._position.epoch, self._position.batch
+        the stop checkpoint) and the save in flight committed on every rank,
+        at the state's position."""
+        step, epoch, batch = (
+            self.state.position.step,
+            self.state.position.epoch,
+            self.state.position.batch,
+        )
         self._metrics = dict(metrics)
         last = self.ck.get("save_last", True) or stop
         if self.enabled and last and self._last_saved_step != step:

@@ -17,23 +17,21 @@ def _best_rule(ck: dict[str, Any]) -> dict[str, Any]:
     return rule if rule.get("enabled", False) else {}
 
 
-def new_best(
-    ck: dict[str, Any], step: int, fresh: dict[str, float], best: dict[str, Any] | None
-) -> dict[str, Any] | None:
-    """The new best record when ``fresh`` (metrics logged at ``step``) improves on
-    ``best`` in ``save_best.monitor``; None otherwise (NaN never improves)."""
+def new_best(ck: dict[str, Any], step: int, book: Any) -> dict[str, Any] | None:
+    """The best checkpoint's record when ``save_best.monitor``'s value logged at ``step``
+    was a new best (the run's MetricBook decides); None otherwise."""
     rule = _best_rule(ck)
-    monitor = rule.get("monitor")
-    if not rule or monitor not in fresh:
+    if not rule.get("monitor") or not book.new_best_at(step, rule["monitor"], rule["mode"]):
         return None
-    value = fresh[monitor]
-    if value != value:
-        return None
-    if best is not None:
-        better = value > best["value"] if rule["mode"] == "max" else value < best["value"]
-        if not better:
-            return None
-    return {"step": step, "monitor": monitor, "value": value}
+    best = book.best_of(rule["monitor"], rule["mode"])
+    return {"step": step, "monitor": best.name, "value": best.value}
+
+
+def watch_best(ck: dict[str, Any], book: Any) -> None:
+    """Ask the book to keep ``save_best.monitor``'s best (from the start of the run)."""
+    rule = _best_rule(ck)
+    if rule.get("monitor"):
+        book.watch(rule["monitor"], rule.get("mode", "max"))
 
 
 def save_reasons(
