@@ -137,13 +137,16 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
         accelerator=accelerator,
         configured=cfg.trainer.grad_accum_steps,
     )
-    # A stream (an IterableDataset) has no length: then trainer.max_steps is required
-    steps_per_epoch, total_steps, max_epochs = run_length(
+    # The loop's length and cadence, once: the loop runs it, preflight's ETA asks it.
+    # A stream (an IterableDataset) has no length: then trainer.max_steps is required.
+    plan = run_length(
         max_steps=cfg.trainer.max_steps,
         max_epochs=cfg.trainer.max_epochs,
         batches=batches_per_epoch(train_loader),
         grad_accum=grad_accum,
+        eval_every_n_steps=cfg.trainer.eval_every_n_steps,  # null: each epoch (a stream: end)
     )
+    steps_per_epoch, total_steps = plan.steps_per_epoch, plan.total_steps
     scheduler = accelerator.prepare(
         instantiate(cfg.scheduler, what="scheduler")(optimizer, total_steps=total_steps)
     )
@@ -215,7 +218,8 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
         accelerator=accelerator,
         state=state,
         ckpt=ckpt,
-        total_steps=total_steps,
+        plan=plan,
+        throughput=throughput,
         start_step=step,
     )
     commit_attempt(run_dir, accelerator)  # training starts: the staged config.json is the run's
@@ -226,7 +230,7 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
 
     # --- the loop ----------------------------------------------------------------------
     progress = Progress(total_steps, initial_step=step, clock=clock)  # rates: training time
-    eval_every = cfg.trainer.eval_every_n_steps or steps_per_epoch or total_steps  # stream: end
+    eval_every = plan.eval_every
     log_every, clip_norm = cfg.trainer.log_every_n_steps, cfg.trainer.grad_clip_norm  # read once
     window = WindowMeans(accelerator)  # train/loss and task.loss's logs: summed on the device
     grad_norm = torch.zeros(())
@@ -235,7 +239,7 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
     clock.start()
     debug.start()
     model.train()
-    for epoch in range(start_at.epoch, max_epochs):
+    for epoch in range(start_at.epoch, plan.max_epochs):
         if step == total_steps or stop or stopper.stopped:
             break
         train_loader.set_epoch(epoch)

@@ -51,9 +51,18 @@ def rss_bytes(kind: str = "VmRSS") -> int:
 
 
 def test_run_length_and_a_stream_without_max_steps():
-    assert run_length(max_steps=None, max_epochs=3, batches=10, grad_accum=3) == (4, 12, 3)
-    assert run_length(max_steps=5, max_epochs=3, batches=10, grad_accum=1) == (10, 5, 1)
-    assert run_length(max_steps=7, max_epochs=3, batches=None, grad_accum=2) == (None, 7, 7)
+    def length(**kwargs):  # (steps per epoch, total steps, epochs)
+        plan = run_length(**kwargs)
+        return plan.steps_per_epoch, plan.total_steps, plan.max_epochs
+
+    assert length(max_steps=None, max_epochs=3, batches=10, grad_accum=3) == (4, 12, 3)
+    assert length(max_steps=5, max_epochs=3, batches=10, grad_accum=1) == (10, 5, 1)
+    assert length(max_steps=7, max_epochs=3, batches=None, grad_accum=2) == (None, 7, 7)
+    plan = run_length(max_steps=25, max_epochs=3, batches=10, grad_accum=1)
+    assert plan.eval_every == 10 and plan.evaluations(0) == {10, 20, 25}  # each epoch, the end
+    assert plan.evaluations(20) == {25} and plan.evaluations(25) == set()
+    stream = run_length(max_steps=7, max_epochs=3, batches=None, grad_accum=1)
+    assert stream.evaluations(0) == {7}  # a stream: at the end
     with pytest.raises(ConfigError, match=r"trainer.max_steps=None is not allowed .* no length"):
         run_length(max_steps=None, max_epochs=3, batches=None, grad_accum=1)
 

@@ -2,6 +2,7 @@
 small filesystem, with a model whose state does not restore, and under DDP;
 MFU's FLOPs and peaks (throughput.py)."""
 
+import csv
 import json
 import os
 import subprocess
@@ -23,6 +24,8 @@ PREFLIGHT = [*FAST, "preflight=default"]
 ONLY = [*PREFLIGHT, "preflight.only=true"]
 CHECKS = ["devices", "memory", "checkpoint", "disk", "speed", "distributed", "trackers"]
 ESTIMATES = {"steps_per_sec", "eta_s", "checkpoint_bytes", "disk_free_bytes", "peak_memory_bytes"}
+# what eta_s sums, from the run's own plan
+ESTIMATES |= {"steps_left", "step_s", "evaluations", "eval_s", "checkpoints", "checkpoint_s"}
 # The tests' own modules (tests.faults) must be importable in spawned workers too.
 PATHS = [str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in PATHS if p)}
@@ -88,6 +91,20 @@ def test_preflight_leaves_training_bit_identical_and_sizes_checkpoints(train_run
     assert real and all(abs(estimate - size) / size < 0.10 for size in real), (estimate, real)
     # Progress lines show samples/s beside steps/s.
     assert "samples/s | " in on.output and "steps/s | eta" in on.output
+    # The ETA is the run's own plan (loaders.RunPlan, the checkpoint policy), not a guess:
+    # the steps, evaluations and checkpoints it sums are the ones the run then made.
+    terms = report(on.run_dir)["estimates"]
+    evaluated = {int(r["step"]) for r in csv.DictReader((on.run_dir / "metrics.csv").open())
+                 if r["name"] == "val/loss"}  # fmt: skip
+    assert terms["steps_left"] == on.summary["step"] == 30
+    assert terms["evaluations"] == len(evaluated) == 3
+    assert terms["checkpoints"] == len(real) == 3  # every 10 steps, a best, the last: 10/20/30
+    total = (
+        terms["steps_left"] * terms["step_s"]
+        + terms["evaluations"] * terms["eval_s"]
+        + terms["checkpoints"] * terms["checkpoint_s"]
+    )
+    assert terms["eta_s"] == pytest.approx(total)
 
 
 def test_a_state_that_does_not_restore_fails_the_round_trip(train_run):

@@ -97,12 +97,38 @@ def batches_per_epoch(loader: Any) -> int | None:
         return None
 
 
+@dataclass
+class RunPlan:
+    """The loop's length and cadence, decided once (``run_length``): the loop runs it,
+    preflight's ETA and the checkpoint plan ask it."""
+
+    steps_per_epoch: int | None  # None: a stream (no epoch length)
+    total_steps: int
+    max_epochs: int  # epochs to loop over
+    grad_accum: int  # micro-batches per optimizer step (elastic resume may change it)
+    eval_every: int  # optimizer steps between evaluations (and always at the end)
+
+    def evaluations(self, start_step: int) -> set[int]:
+        """The steps in (start_step, total_steps] that evaluate."""
+        if start_step >= self.total_steps:
+            return set()  # a finished run resumed: nothing left to do
+        every = self.eval_every
+        first = (start_step // every + 1) * every
+        return set(range(first, self.total_steps + 1, every)) | {self.total_steps}
+
+
 def run_length(
-    *, max_steps: int | None, max_epochs: int, batches: int | None, grad_accum: int
-) -> tuple[int | None, int, int]:
-    """(optimizer steps per epoch or None, total steps, epochs to loop over). A
-    stream has no length, so ``trainer.max_steps`` sets the run's; its epochs are
-    passes over the stream (every pass of a finite one holds at least one step)."""
+    *,
+    max_steps: int | None,
+    max_epochs: int,
+    batches: int | None,
+    grad_accum: int,
+    eval_every_n_steps: int | None = None,
+) -> RunPlan:
+    """The run's plan. A stream has no length, so ``trainer.max_steps`` sets the run's;
+    its epochs are passes over the stream (every pass of a finite one holds at least
+    one step). Evaluations: every ``eval_every_n_steps``, else every epoch, else (a
+    stream) at the end."""
     if batches is None:
         if not max_steps:
             raise ConfigError(
@@ -110,10 +136,13 @@ def run_length(
                 "no length (an IterableDataset, a stream): expected trainer.max_steps=N, "
                 "the run's length in optimizer steps"
             )
-        return None, max_steps, max_steps
-    per_epoch = math.ceil(batches / grad_accum)
-    total = max_steps or max_epochs * per_epoch
-    return per_epoch, total, math.ceil(total / per_epoch)
+        per_epoch, total, epochs = None, max_steps, max_steps
+    else:
+        per_epoch = math.ceil(batches / grad_accum)
+        total = max_steps or max_epochs * per_epoch
+        epochs = math.ceil(total / per_epoch)
+    every = eval_every_n_steps or per_epoch or total
+    return RunPlan(per_epoch, total, epochs, grad_accum, every)
 
 
 def continue_epoch(loader: Any, *, epoch: int, batches_done: int, num_processes: int) -> Any:

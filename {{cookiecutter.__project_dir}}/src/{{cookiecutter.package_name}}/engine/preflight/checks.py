@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
-import math
 import os
 import socket
 import time
@@ -23,8 +22,6 @@ from accelerate.utils import gather_object
 from omegaconf import DictConfig
 
 from .. import tracking
-from ..checkpoint.full_state import plain_model
-from ..loaders import batches_per_epoch
 from ..throughput import Throughput
 
 if TYPE_CHECKING:
@@ -276,24 +273,17 @@ def _write_test(directory: Path, size: int) -> str:
     )
 
 
-def _evaluations(cfg: DictConfig, total_steps: int, start_step: int, steps_per_epoch: int | None):
-    """Steps in (start_step, total_steps] that evaluate (trainer's cadence)."""
-    if start_step >= total_steps:
-        return set()  # a finished run resumed: nothing left to do
-    every = cfg.trainer.eval_every_n_steps or steps_per_epoch or total_steps  # a stream: the end
-    return set(range((start_step // every + 1) * every, total_steps + 1, every)) | {total_steps}
-
-
 def check_speed(
     cfg: DictConfig,
     acc: Any,
-    state: TrainState,
     ckpt: CheckpointManager,
     rt: RoundTrip,
-    total_steps: int,
+    plan: Any,
+    throughput: Throughput,
     start_step: int,
 ) -> Check:
-    """steps/s, samples/s, MFU and the ETA (stored in ``rt``); the loader's share."""
+    """steps/s, samples/s, MFU and the ETA (stored in ``rt``); the loader's share. The
+    steps, evaluations and saves are the run's own (``plan``, ``ckpt``)."""
     t = rt.timing
     if not t.step_s:
         if t.error and not t.error.startswith(("no restore point", "not run")):
@@ -306,23 +296,22 @@ def check_speed(
         return Check("speed", "warn", f"not measured: {t.error or 'no steps timed'}")
     steps_per_sec = 1.0 / t.step_s
     samples_per_sec = t.samples_per_step * steps_per_sec
-    batches = batches_per_epoch(state.train_loader)  # None: a stream (no epochs to count)
-    steps_per_epoch = math.ceil(batches / cfg.trainer.grad_accum_steps) if batches else None
-    evals = _evaluations(cfg, total_steps, start_step, steps_per_epoch)
+    evals = plan.evaluations(start_step)
     saves = ckpt.planned_saves(
-        total_steps, start_step, steps_per_epoch=steps_per_epoch, evaluations=evals
+        plan.total_steps, start_step, steps_per_epoch=plan.steps_per_epoch, evaluations=evals
     )
     save_s = rt.save_s or 0.0
-    remaining = total_steps - start_step
+    remaining = max(0, plan.total_steps - start_step)
     eta = remaining * t.step_s + len(evals) * t.eval_s + len(saves) * save_s
     rt.steps_per_sec, rt.eta_s = steps_per_sec, eta
-    throughput = Throughput(
-        plain_model(acc, state.model),
-        acc.device,
-        acc.num_processes,
-        acc.mixed_precision,
-        cfg.trainer.get("peak_tflops"),
-    )
+    rt.eta_terms = {
+        "steps_left": remaining,
+        "step_s": t.step_s,
+        "evaluations": len(evals),
+        "eval_s": t.eval_s,
+        "checkpoints": len(saves),
+        "checkpoint_s": save_s,
+    }
     rates = throughput.metrics(steps_per_sec, samples=t.samples, tokens=t.tokens)
     mfu_text = (
         f"MFU {rates['perf/mfu']:.1%} ({throughput.peak_note})"

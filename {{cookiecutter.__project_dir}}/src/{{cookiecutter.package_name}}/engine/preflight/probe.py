@@ -16,7 +16,7 @@ import shutil
 import statistics
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,7 @@ class RoundTrip:
     save_error: str = ""
     steps_per_sec: float | None = None  # set by check_speed
     eta_s: float | None = None
+    eta_terms: dict[str, float] = field(default_factory=dict)  # what eta_s sums (check_speed)
 
 
 def round_trip_and_timing(

@@ -50,13 +50,16 @@ def run_preflight(
     accelerator: Any,
     state: TrainState,
     ckpt: CheckpointManager,
-    total_steps: int,
+    plan: Any,
+    throughput: Any,
     start_step: int,
 ) -> dict[str, Any] | None:
     """Run every check on every rank, report on the main process, and raise
     PreflightFailed (on every rank) when any check failed. Returns the report
     (``preflight.json``'s content), or None with ``preflight.enabled=false``.
-    ``state`` is what preflight times and restores (through ``ckpt``)."""
+    ``state`` is what preflight times and restores (through ``ckpt``); the ETA asks
+    the run's ``plan`` (loaders.RunPlan: length, cadence, accumulation), ``ckpt``
+    (the saves it plans) and the run's ``throughput`` (MFU), never re-derives them."""
     if not cfg.preflight.enabled:
         return None
     acc = accelerator
@@ -76,7 +79,7 @@ def run_preflight(
             else Check("disk", "pass", "checked by the main process")
         )
     speed = _guard(
-        "speed", world, lambda: check_speed(cfg, acc, state, ckpt, rt, total_steps, start_step)
+        "speed", world, lambda: check_speed(cfg, acc, ckpt, rt, plan, throughput, start_step)
     )
     checks.append(speed)
     checks.append(_guard("distributed", world, lambda: check_distributed(acc, state)))
@@ -84,6 +87,7 @@ def run_preflight(
     estimates = {
         "steps_per_sec": rt.steps_per_sec,
         "eta_s": rt.eta_s,
+        **rt.eta_terms,  # what the ETA sums: steps, evaluations, checkpoints, each's time
         "checkpoint_bytes": rt.checkpoint_bytes,
         "disk_free_bytes": free,
         "peak_memory_bytes": rt.timing.peak_bytes,
