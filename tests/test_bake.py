@@ -666,3 +666,12 @@ def test_own_model_and_data_as_the_readme_says_pass_the_projects_tests(baked, tm
     assert summary["metrics"]["val/acc"] > 0.8  # 3 well-separated blobs: chance is 1/3
     # An HF-style output (.logits) and the model option's own monitor: judged on val/loss
     assert summary["best"]["name"] == "val/loss" and summary["best"]["value"] < 0.5
+    # task.py's hooks on the user's model: loss's logs averaged per log window
+    # (train/acc), evaluate through loss (val/loss above), param_groups' default (the
+    # optimizer's weight decay on the 2 weight matrices, none on the 2 biases)
+    assert 0.8 < summary["metrics"]["train/acc"] <= 1.0
+    import torch
+
+    (last,) = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))[-1:]
+    groups = torch.load(last / "optimizer.pt", weights_only=True)["param_groups"]
+    assert [(len(g["params"]), g["weight_decay"]) for g in groups] == [(2, 0.01), (2, 0.0)]
