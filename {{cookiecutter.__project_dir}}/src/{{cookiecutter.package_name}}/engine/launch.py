@@ -27,8 +27,10 @@ die with their launcher, even when it is killed with SIGKILL.
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -201,6 +203,7 @@ def _spawn(fn: Callable[[DictConfig, Path], Any], cfg: DictConfig, run_dir: Path
 
     p = cfg.parallel
     nproc = processes_per_node(p)
+    elastic_logs = tempfile.mkdtemp(prefix="torchelastic-")
     if p.num_nodes == 1:
         # c10d on port 0 picks a free port: concurrent runs never clash.
         port = p.master_port or 0
@@ -221,7 +224,9 @@ def _spawn(fn: Callable[[DictConfig, Path], Any], cfg: DictConfig, run_dir: Path
         max_restarts=0,  # a failed rank fails the run; resuming is the checkpoint's job
         start_method="spawn",
         monitor_interval=0.1,
-        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / ".torchelastic")),
+        # The workers' error files go to a folder of the launch's own, not the run dir:
+        # a launch that fails before its first step must leave a new run dir empty.
+        logs_specs=DefaultLogsSpecs(log_dir=elastic_logs),
         **rdzv,
     )
     no_gpus = p.num_processes == "auto" and not torch.cuda.device_count()
@@ -252,6 +257,8 @@ def _spawn(fn: Callable[[DictConfig, Path], Any], cfg: DictConfig, run_dir: Path
             "command to resume",
             128 + err.sigval,
         ) from None
+    finally:
+        shutil.rmtree(elastic_logs, ignore_errors=True)
     return results[min(results)]
 
 
