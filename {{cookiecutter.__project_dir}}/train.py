@@ -27,14 +27,13 @@ from {{ cookiecutter.package_name }}.engine.checkpoint import (
     CheckpointError,
     CheckpointManager,
     plain_model,
-    plan_grad_accum,
+    plan_resume,
     save_final_weights,
 )
 from {{ cookiecutter.package_name }}.engine.claim import Decision, agree, claim, commit_attempt
 from {{ cookiecutter.package_name }}.engine.config import (
     ConfigError,
     check_config,
-    flatten_config,
     instantiate,
     register_resolvers,
     resolve_config,
@@ -74,7 +73,12 @@ from {{ cookiecutter.package_name }}.engine.run_dir import (
 from {{ cookiecutter.package_name }}.engine.seeding import same_on_every_rank, seed_everything
 from {{ cookiecutter.package_name }}.engine.state import TrainState, optimizer_step
 from {{ cookiecutter.package_name }}.engine.throughput import Throughput
-from {{ cookiecutter.package_name }}.engine.tracking import check_reachable, log_final_model, watch_model
+from {{ cookiecutter.package_name }}.engine.tracking import (
+    check_reachable,
+    log_final_model,
+    start_trackers,
+    watch_model,
+)
 
 log = logging.getLogger("train")
 PROJECT_ROOT = Path(__file__).resolve().parent  # runs_root's default: <project root>/runs
@@ -129,14 +133,18 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
     model, optimizer, train_loader, val_loader = accelerator.prepare(
         model, optimizer, loaders.train, loaders.val
     )
-    # Resuming a checkpoint of another number of processes: the accumulation that
-    # keeps its global batch (else trainer.grad_accum_steps; docs/checkpoints.md, "Elastic resume")
-    grad_accum = plan_grad_accum(
+    # Where this launch continues from, chosen and verified once on every rank: the
+    # checkpoint (none: a fresh start), the accumulation that keeps its global batch on
+    # this number of processes, the trackers' run ids (docs/checkpoints.md, "Resume")
+    config = OmegaConf.to_container(cfg, resolve=True)  # config.json; compared on resume
+    resume = plan_resume(
         cfg.checkpoint,
+        config=config,
         run_dir=run_dir,
         accelerator=accelerator,
         configured=cfg.trainer.grad_accum_steps,
     )
+    grad_accum = resume.grad_accum
     # The loop's length and cadence, once: the loop runs it, preflight's ETA asks it.
     # A stream (an IterableDataset) has no length: then trainer.max_steps is required.
     plan = run_length(
@@ -161,7 +169,7 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
         mode=cfg.trainer.monitor_mode,
         book=book,
     )
-    accelerator.init_trackers(cfg.project, config=flatten_config(OmegaConf.to_container(cfg)))
+    start_trackers(accelerator, cfg, resume)  # a resume continues the trackers' runs
     watch_model(accelerator, model)  # W&B gradient/parameter histograms (tracker.wandb.watch)
     log.info(
         f"{sum(p.numel() for p in model.parameters()):,} parameters | "
@@ -195,7 +203,7 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
     )
     ckpt = CheckpointManager(
         checkpoint=cfg.checkpoint,
-        config=OmegaConf.to_container(cfg, resolve=True),  # config.json; compared on resume
+        config=config,
         run_dir=run_dir,
         accelerator=accelerator,
         state=state,
@@ -203,7 +211,7 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
         agreement=agreement,  # before every save: no checkpoint after a NaN
         timeout_s=cfg.parallel.get("timeout_s") or 1800,
     )
-    start_at = ckpt.resume()  # step/epoch/batch 0 unless resuming; restores every state
+    start_at = ckpt.restore(resume)  # step/epoch/batch 0 unless resuming; every state
     step, epoch = start_at.step, start_at.epoch
     # -m hparams_search=optuna: this job's trial, told every evaluation (else a no-op)
     trial = TrialReporter.from_config(

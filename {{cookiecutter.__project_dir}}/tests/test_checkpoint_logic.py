@@ -13,7 +13,7 @@ from accelerate import Accelerator
 from safetensors.torch import save
 
 from {{ cookiecutter.package_name }}.engine.agreement import StepAgreement
-from {{ cookiecutter.package_name }}.engine.checkpoint import CheckpointManager, folder
+from {{ cookiecutter.package_name }}.engine.checkpoint import CheckpointManager, folder, plan_resume
 from {{ cookiecutter.package_name }}.engine.checkpoint import format as fmt
 from {{ cookiecutter.package_name }}.engine.config import (
     ALLOWED_CONFIG_CHANGES,
@@ -175,11 +175,63 @@ def test_explicit_path_without_a_valid_checkpoint_fails(tmp_path):
     empty.mkdir()
     run = tmp_path / "run"
     with pytest.raises(fmt.CheckpointError) as err:
-        manager(run, resume=str(empty)).resume()
+        plan_resume(
+            {"enabled": True, "resume": str(empty)},
+            config={"seed": 0},
+            run_dir=run,
+            accelerator=Accelerator(cpu=True),
+            configured=1,
+        )
     assert err.value.exit_code == 1
     assert f"checkpoint.resume={empty}: no valid checkpoint" in str(err.value)
     assert "not starting over silently" in str(err.value)
     assert not (run / "checkpoints").exists()
+
+
+def test_one_resume_plan_names_the_checkpoint_accumulation_and_run_ids(tmp_path):
+    """The plan takes the newest checkpoint that verifies (a damaged newer one is
+    skipped, named), keeps its global batch by the accumulation, and carries its
+    trainer state; the manager restores exactly that one."""
+    saver = manager(tmp_path, every_n_steps=None)
+    for step in (2, 4, 6):
+        saver.state.advance(epoch=0, batch=step)
+        saver.save(step, 0, step, ["test"])
+    ckpts = tmp_path / "checkpoints"
+    newest = ckpts / "step_0000006"
+    (newest / "model.safetensors").write_bytes(b"damaged")
+    manifest = json.loads((ckpts / "step_0000004" / fmt.MANIFEST).read_text())
+    manifest |= {"world_size": 4, "grad_accum_steps": 2}  # saved by 4 processes x 2
+    (ckpts / "step_0000004" / fmt.MANIFEST).write_text(json.dumps(manifest))
+    accelerator = Accelerator(cpu=True)
+
+    enabled = {"enabled": True}
+    plan = plan_resume(
+        enabled, config={"seed": 0}, run_dir=tmp_path, accelerator=accelerator, configured=1
+    )
+    assert plan.checkpoint == ckpts / "step_0000004" and plan.step == 4
+    assert plan.grad_accum == 8 == accelerator.gradient_accumulation_steps  # 4 x 2 on 1
+    assert len(plan.skipped) == 1 and "model.safetensors" in plan.skipped[0]
+    assert plan.tracker_run_ids == {} and plan.trainer["batch"] == 4
+    restorer = manager(tmp_path / "again", every_n_steps=None)
+    assert restorer.restore(plan).step == 4 and restorer.state.position.step == 4
+    assert restorer.resumed_from == str(plan.checkpoint)
+
+    fresh = plan_resume(
+        {"enabled": True, "resume": "never"},
+        config={"seed": 0},
+        run_dir=tmp_path / "new",
+        accelerator=accelerator,
+        configured=3,
+    )
+    assert fresh.checkpoint is None and fresh.grad_accum == 3 and fresh.step == 0
+    with pytest.raises(fmt.CheckpointError, match="already holds checkpoints"):
+        plan_resume(
+            {"enabled": True, "resume": "never"},
+            config={"seed": 0},
+            run_dir=tmp_path,
+            accelerator=accelerator,
+            configured=1,
+        )
 
 
 def test_planned_saves_and_checkpoints_on_disk(tmp_path):

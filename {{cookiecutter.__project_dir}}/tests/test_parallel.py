@@ -334,7 +334,8 @@ def test_deepspeed_zero2_trains_the_same_weights_as_ddp(tmp_path):
 def test_resume_after_the_launcher_is_killed_or_stopped_is_bit_exact(tmp_path, mode):
     """SIGKILL of the launcher: resume from the last periodic checkpoint.
     SIGTERM (and Ctrl-C): every rank saves at the next step boundary, exits
-    143 (130), resume.
+    143 (130), resume. After the kill, rank 1's RNG file of the newest checkpoint
+    is damaged: both ranks resume from the one before.
     Both end with the weights of the uninterrupted run."""
     args = [f"parallel={mode}", "model._target_=tests.faults.Slow", "trainer.max_steps=60"]
     args += ["checkpoint.every_n_steps=10", "trainer.log_every_n_steps=10"]
@@ -357,9 +358,15 @@ def test_resume_after_the_launcher_is_killed_or_stopped_is_bit_exact(tmp_path, m
         assert saved and not any(p.endswith(".tmp") for p in saved)
         layout = json.loads((run_dir / "checkpoints" / saved[-1] / "MANIFEST.json").read_text())
         assert layout["layout"] == ("sharded" if mode == "fsdp" else "full")  # format: auto
+        resumes = saved[-1]
+        if sig == signal.SIGKILL and mode == "ddp":
+            # Only rank 1 reads its RNG file: damaged, it fails there alone, and the
+            # ranks agree on the newest checkpoint both verify (one plan, every rank).
+            (run_dir / "checkpoints" / saved[-1] / "rng_rank1.pt").write_bytes(b"damaged")
+            resumes = saved[-2]
         ok(run(tmp_path, *args, f"hydra.run.dir={run_dir}"))  # the same command again
         summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["resumed_from"] and summary["step"] == 60
+        assert Path(summary["resumed_from"]).name == resumes and summary["step"] == 60
         assert fingerprints(run_dir) == {"train.log": expected, "train_rank1.log": expected}
 
 

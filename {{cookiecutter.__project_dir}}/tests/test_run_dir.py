@@ -17,7 +17,8 @@ from omegaconf import OmegaConf
 
 from {{ cookiecutter.package_name }}.engine.claim import ATTEMPT, _lock, _unlock, inspect
 from {{ cookiecutter.package_name }}.engine.config import resolve_config
-from {{ cookiecutter.package_name }}.engine.run_dir import RunDirError, launch_stamp, write_json_atomic
+from {{ cookiecutter.package_name }}.engine.files import write_json_atomic
+from {{ cookiecutter.package_name }}.engine.run_dir import RunDirError, launch_stamp
 
 from .conftest import ENV, FAST, ONE_PROCESS, PROJECT_ROOT, run_train, wait_for
 

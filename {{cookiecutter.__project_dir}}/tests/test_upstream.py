@@ -136,3 +136,35 @@ def test_accelerates_prepared_loader_says_how_much_of_its_last_batch_is_real():
     loader = Accelerator(cpu=True).prepare(DataLoader(TensorDataset(torch.arange(7)), batch_size=2))
     seen = [(len(b[0]), loader.end_of_dataloader, loader.remainder) for b in loader]
     assert seen[-1] == (1, True, 1) and not any(end for _, end, _ in seen[:-1])
+
+
+def test_accelerate_starts_the_tracker_objects_it_was_given_as_they_are_then():
+    """tracking.start_trackers sets where a resumed run continues on the objects of
+    ``log_with`` (upstream.tracker_objects), then ``init_trackers`` starts those objects."""
+    from accelerate import Accelerator
+    from accelerate.tracking import GeneralTracker
+
+    class Probe(GeneralTracker):
+        name, requires_logging_directory, main_process_only = "probe", False, True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.resumed_at, self.started_with = None, None
+
+        @property
+        def tracker(self) -> None:
+            return None
+
+        def start(self) -> None:
+            self.started_with = self.resumed_at
+
+        def store_init_configuration(self, values: dict) -> None:
+            pass
+
+    probe = Probe()
+    accelerator = Accelerator(cpu=True, log_with=[probe])
+    [found] = upstream.tracker_objects(accelerator)
+    assert found is probe
+    found.resumed_at = 7
+    accelerator.init_trackers("pin")
+    assert accelerator.trackers == [probe] and probe.started_with == 7

@@ -3,11 +3,13 @@ all they use of it: a model or data function checks its arguments with ``require
 (a bad value is a ``ConfigError``: exit 2 before any work); a data function returns
 ``make_loaders(...)``, and text data tokenizes with ``load_tokenizer``; the task
 averages its evaluation with ``average_over_batches`` and groups the parameters with
-``decay_groups`` (docs/own-model.md, docs/data.md).
+``decay_groups``; data that caches what it builds holds ``locked`` meanwhile, so one
+process of a launch builds and the others read (docs/own-model.md, docs/data.md).
 """
 
 from .engine.batch_means import average_over_batches
 from .engine.config import ConfigError, require
+from .engine.files import locked
 from .engine.loaders import DataLoaders, make_loaders
 from .engine.param_groups import decay_groups
 from .engine.tokenizer import load_tokenizer
@@ -23,6 +25,7 @@ __all__ = [
     "average_over_batches",
     "decay_groups",
     "load_tokenizer",
+    "locked",
     "make_loaders",
     "require",
 ]

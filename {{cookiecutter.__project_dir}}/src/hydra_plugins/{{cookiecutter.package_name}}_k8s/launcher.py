@@ -149,13 +149,14 @@ class KubernetesLauncher(Launcher):
         }
 
     def _write(self, job: dict[str, Any], options: dict[str, Any]) -> JobReturn:
-        from {{ cookiecutter.package_name }}.engine.run_dir import save_hydra_files, write_text_atomic
+        from {{ cookiecutter.package_name }}.engine.files import write_atomic
+        from {{ cookiecutter.package_name }}.engine.run_dir import save_hydra_files
 
         HydraConfig.instance().set_config(job["sweep_config"])
         path = job["dir"] / MANIFEST
         # .hydra/ as for any job: the sweep summary lists it (its results are in the cluster)
         save_hydra_files(job["dir"], job["task_cfg"])
-        write_text_atomic(path, manifest.render(job["docs"]))
+        write_atomic(path, manifest.render(job["docs"]))
         shown = " ".join(filter_overrides(job["overrides"]))
         log.info(f"#{job['num']} : {shown} -> TrainJob {job['name']}: {job['summary']}: {path}")
         status, value = JobStatus.COMPLETED, str(path)

@@ -18,20 +18,18 @@ files and cached, then read window by window like ``data=token_file`` (docs/text
 
 from __future__ import annotations
 
-import fcntl
 import glob
 import hashlib
 import json
 import os
 import random
 import shutil
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..contract import DataLoaders, load_tokenizer, require
+from ..contract import DataLoaders, load_tokenizer, locked, require
 from .token_file import token_file, write_tokens
 
 DOCUMENTS = ("file", "line")
@@ -76,7 +74,7 @@ def text(
     )
     key = cache_key(paths, codec.fingerprint(), document, column, val_fraction, split_seed)
     folder = Path(cache_dir) / key
-    with _locked(Path(cache_dir) / f"{key}.lock"):  # one process of a launch tokenizes
+    with locked(Path(cache_dir) / f"{key}.lock"):  # one process of a launch tokenizes
         if not (folder / "val.json").is_file():
             _tokenize_into(folder, paths, codec, document, column, val_fraction, split_seed)
     meta = json.loads((folder / "train.json").read_text())
@@ -173,11 +171,3 @@ def _tokenize_into(folder, paths, codec, document, column, val_fraction, split_s
         + "\n"
     )
     os.replace(tmp, folder)  # complete or absent: a reader never sees half of it
-
-
-@contextmanager
-def _locked(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield

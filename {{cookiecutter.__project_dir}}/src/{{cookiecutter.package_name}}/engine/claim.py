@@ -33,14 +33,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import trust
 from .config import ConfigError, allowed_config_changes, config_differences
+from .files import write_atomic, write_json_atomic
 from .logs import discard_run_logs, open_run_logs
 from .run_dir import (
     RunDirError,
     is_launch_main,
     made_by_this_launch,
     save_hydra_files,
-    write_json_atomic,
-    write_text_atomic,
 )
 
 # What an attempt that failed before its first step leaves for you to read (its log,
@@ -237,7 +236,7 @@ def stage_attempt(cfg: DictConfig, run_dir: Path, raw: DictConfig | None = None)
 
     if HydraConfig.initialized():
         save_hydra_files(staged, raw if raw is not None else cfg)
-    write_text_atomic(staged / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    write_atomic(staged / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     write_json_atomic(staged / "config.json", OmegaConf.to_container(cfg, resolve=True))
 
 

@@ -44,7 +44,8 @@ from .inference import (
 )
 from .launch import LaunchError, run
 from .logs import setup_rank_logging
-from .run_dir import hydra_run_dir, made_by_this_launch, write_json_atomic
+from .files import write_json_atomic
+from .run_dir import hydra_run_dir, made_by_this_launch
 
 log = logging.getLogger(__name__)
 SPLITS = ("val", "test", "train")  # loader attributes of the data module's result

@@ -25,7 +25,7 @@ from .config import ConfigError, require
 from .evaluation import prepare
 from .fits import model_positions
 from .inference import load_checkpoint
-from .run_dir import write_json_atomic, write_text_atomic
+from .files import write_atomic, write_json_atomic
 from .tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def generate(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         "top_k": cfg.top_k,
         "max_new_tokens": cfg.max_new_tokens,
     }
-    write_text_atomic(out_dir / "generated.txt", cfg.prompt + continuation)
+    write_atomic(out_dir / "generated.txt", cfg.prompt + continuation)
     write_json_atomic(out_dir / "generation.json", result)
     print(continuation)
     log.info(f"{len(new)} tokens from {loaded.checkpoint} (step {loaded.step}): {out_dir}")

@@ -30,6 +30,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from .config import ConfigError
+from .files import write_atomic, write_json_atomic
 from .launch import global_rank, under_launcher
 
 
@@ -93,20 +94,6 @@ def hydra_run_dir_as_written() -> Path:
     if hydra.mode == RunMode.MULTIRUN:
         return hydra_run_dir()
     return Path(hydra.run.dir)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write a file so that readers see the old one or the new one, never half."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 def in_sweep() -> bool:
@@ -190,10 +177,10 @@ def save_hydra_files(run_dir: Path, task_cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     hydra_dir = run_dir / ".hydra"
     hydra_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(hydra_dir / "config.yaml", OmegaConf.to_yaml(task_cfg))
+    write_atomic(hydra_dir / "config.yaml", OmegaConf.to_yaml(task_cfg))
     hydra_yaml = OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra_cfg}))
-    write_text_atomic(hydra_dir / "hydra.yaml", hydra_yaml)
-    write_text_atomic(hydra_dir / "overrides.yaml", OmegaConf.to_yaml(hydra_cfg.overrides.task))
+    write_atomic(hydra_dir / "hydra.yaml", hydra_yaml)
+    write_atomic(hydra_dir / "overrides.yaml", OmegaConf.to_yaml(hydra_cfg.overrides.task))
 
 
 def check_shared_storage(run_dir: Path, accelerator: Any) -> None:

@@ -14,10 +14,8 @@ that run jobs in other processes must import it there.
 """
 
 import csv
-import fcntl
 import io
 import logging
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +27,8 @@ from omegaconf import DictConfig, OmegaConf
 from . import trust, upstream
 from .launch import global_rank
 from .pruning import is_pruned
-from .run_dir import RunDirError, save_hydra_files, write_json_atomic, write_text_atomic
+from .files import locked, write_atomic, write_json_atomic
+from .run_dir import RunDirError, save_hydra_files
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +98,7 @@ def rank_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def write_sweep_summary(sweep_dir: Path) -> Path:
     """(Re)write ``summary.csv`` and ``summary.md`` from every job dir; returns the .md."""
-    with _locked(sweep_dir / ".summary.lock"):
+    with locked(sweep_dir / ".summary.lock"):
         jobs = sorted(p.parent.parent for p in sweep_dir.glob("**/.hydra/overrides.yaml"))
         rows = rank_rows([job_row(job, sweep_dir) for job in jobs])
         varying = _varying_overrides(rows)
@@ -131,9 +130,9 @@ def write_sweep_summary(sweep_dir: Path) -> Path:
             table.append([values[h] for h in header])
         out = io.StringIO()
         csv.writer(out).writerows([header, *table])
-        write_text_atomic(sweep_dir / "summary.csv", out.getvalue())
+        write_atomic(sweep_dir / "summary.csv", out.getvalue())
         md = sweep_dir / "summary.md"
-        write_text_atomic(md, _markdown(sweep_dir, rows, header, table))
+        write_atomic(md, _markdown(sweep_dir, rows, header, table))
     return md
 
 
@@ -178,15 +177,3 @@ def _read_json(path: Path) -> dict | None:
     except trust.Malformed:
         return None
     return found if isinstance(found, dict) else None
-
-
-@contextmanager
-def _locked(lock_path: Path):
-    """An exclusive lock: jobs of an array can end at the same moment."""
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)

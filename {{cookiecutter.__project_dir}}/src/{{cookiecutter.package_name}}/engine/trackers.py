@@ -6,7 +6,7 @@ starts. Which trackers a run gets is tracking.py's. docs/trackers.md.
 
 import contextlib
 import csv
-import fcntl
+import io
 import logging
 import netrc
 import os
@@ -22,13 +22,16 @@ from accelerate.tracking import MLflowTracker as AccelerateMLflowTracker
 from accelerate.tracking import TensorBoardTracker as AccelerateTensorBoardTracker
 from accelerate.tracking import WandBTracker as AccelerateWandBTracker
 
+from .files import locked, write_atomic
+
 log = logging.getLogger(__name__)
 
 
 class CSVTracker(GeneralTracker):
     """Append metrics to ``metrics.csv`` in the run dir, one row per value:
     ``time,step,name,value`` (long format: new metric names never rewrite the
-    file, and a resumed run appends to it)."""
+    file, and a resumed run appends to it, dropping first the rows the interrupted
+    run logged after the checkpoint it resumes from, as TensorBoard's purge does)."""
 
     name = "csv"
     requires_logging_directory = False
@@ -36,14 +39,20 @@ class CSVTracker(GeneralTracker):
     def __init__(self, run_dir: str | Path, filename: str = "metrics.csv") -> None:
         super().__init__()
         self.path = Path(run_dir) / filename
+        self.resumed_step: int | None = None
         self._file = None
         self._writer = None
+
+    def continue_from(self, step: int, run_id: str | None) -> None:
+        self.resumed_step = step
 
     @property
     def tracker(self):
         return self._writer
 
     def start(self) -> None:
+        if self.resumed_step is not None and self.path.is_file():
+            self._drop_rows_after(self.resumed_step)
         new = not self.path.exists() or self.path.stat().st_size == 0
         self._file = open(self.path, "a", newline="", encoding="utf-8")  # noqa: SIM115
         self._writer = csv.writer(self._file)
@@ -61,6 +70,16 @@ class CSVTracker(GeneralTracker):
             self._file.close()
             self._file = None
 
+    def _drop_rows_after(self, step: int) -> None:
+        """Rewrite the file without the rows of later steps (atomically: old or new)."""
+        with open(self.path, newline="", encoding="utf-8") as f:
+            rows = list(csv.reader(f))
+        kept = [r for r in rows if len(r) < 2 or not r[1].isdigit() or int(r[1]) <= step]
+        if len(kept) < len(rows):
+            buffer = io.StringIO()
+            csv.writer(buffer).writerows(kept)
+            write_atomic(self.path, buffer.getvalue())
+
 
 class TensorBoardTracker(AccelerateTensorBoardTracker):
     """accelerate's TensorBoard tracker, writing to ``<run dir>/tensorboard``.
@@ -68,16 +87,17 @@ class TensorBoardTracker(AccelerateTensorBoardTracker):
     The config goes into the run's own event file as hparams, with
     ``hparam_metrics`` as the metric columns, so TensorBoard's HParams tab lines
     up the runs of a sweep (accelerate writes hparams as a separate,
-    timestamped run). ``purge_step``: a resumed run hides what the interrupted
-    run logged after the checkpoint it resumes from."""
+    timestamped run). A resumed run hides what the interrupted run logged after
+    the checkpoint it resumes from (SummaryWriter's purge_step)."""
 
     main_process_only = True
 
-    def __init__(
-        self, run_dir: Path, hparam_metrics: list[str] | None = None, purge_step: int | None = None
-    ) -> None:
-        super().__init__("tensorboard", str(run_dir), purge_step=purge_step)
+    def __init__(self, run_dir: Path, hparam_metrics: list[str] | None = None) -> None:
+        super().__init__("tensorboard", str(run_dir))
         self.hparam_metrics = list(hparam_metrics or [])
+
+    def continue_from(self, step: int, run_id: str | None) -> None:
+        self.init_kwargs["purge_step"] = step + 1  # SummaryWriter's keyword, at start()
 
     @on_main_process
     def store_init_configuration(self, values: dict) -> None:
@@ -100,16 +120,18 @@ class WandBTracker(AccelerateWandBTracker):
         self,
         project: str,
         run_dir: Path,
-        run_id: str | None = None,
         mode: str | None = None,
         watch: dict | None = None,
         **init_kwargs: Any,  # entity, group, tags, ...: passed to wandb.init
     ) -> None:
         super().__init__(project, **init_kwargs)
         self.run_dir = Path(run_dir)
-        self.run_id = run_id  # to resume; after start, this run's id (checkpoints save it)
+        self.run_id: str | None = None  # to resume; after start, this run's id (saved)
         self.mode = mode
         self.watch_settings = watch or {}
+
+    def continue_from(self, step: int, run_id: str | None) -> None:
+        self.run_id = run_id  # W&B continues the run; train.py logs with explicit steps
 
     @on_main_process
     def start(self) -> None:
@@ -169,7 +191,6 @@ class MLflowTracker(AccelerateMLflowTracker):
         self,
         project: str,
         run_dir: Path,
-        run_id: str | None = None,
         experiment: str | None = None,
         tracking_uri: str | None = None,
         artifact_location: str | None = None,
@@ -179,10 +200,14 @@ class MLflowTracker(AccelerateMLflowTracker):
         db = _sqlite_file(self.tracking_uri)
         if artifact_location is None and db is not None:  # else the store's default
             artifact_location = str(db.parent.resolve() / "mlflow-artifacts")
-        # artifact_location applies when this run creates the experiment. run_id:
-        # to resume; after start, this run's id (checkpoints save it).
-        super().__init__(experiment or project, logging_dir=artifact_location, run_id=run_id)
+        # artifact_location applies when this run creates the experiment. run_id
+        # (accelerate's; MLFLOW_RUN_ID by default): after start, this run's id (saved).
+        super().__init__(experiment or project, logging_dir=artifact_location)
         self.log_model = log_model
+
+    def continue_from(self, step: int, run_id: str | None) -> None:
+        if not os.environ.get("MLFLOW_RUN_ID"):  # an explicit run id wins, as in accelerate
+            self.run_id = run_id
 
     @on_main_process
     def start(self) -> None:
@@ -258,9 +283,7 @@ def _store_lock(uri: str) -> Iterator[None]:
     else:
         yield
         return
-    lock_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_file, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    with locked(lock_file):
         yield
 
 

@@ -1,5 +1,5 @@
 """Which experiment trackers a run gets (``cfg.tracker``: csv, TensorBoard, W&B,
-MLflow; the classes are trackers.py's), the run ids a resumed run continues,
+MLflow; the classes are trackers.py's), starting them where a resumed run continues,
 ``readiness`` for preflight, and what only some trackers do (W&B's watch,
 MLflow's model). A missing optional package stops the run first, naming the
 install. docs/trackers.md.
@@ -17,10 +17,9 @@ from accelerate.utils import DistributedType
 from omegaconf import DictConfig, OmegaConf
 
 from .. import task
-from . import trust
-from .checkpoint import committed_checkpoints
-from .checkpoint.format import check_trainer_state
-from .config import ConfigError
+from . import upstream
+from .checkpoint import ResumePlan
+from .config import ConfigError, flatten_config
 from .trackers import (
     CSVTracker,
     MLflowTracker,
@@ -139,9 +138,7 @@ def _unreachable(uri: str, timeout_s: float) -> str | None:
 
 def build_trackers(cfg: DictConfig, run_dir: Path) -> list[GeneralTracker]:
     """Tracker objects for ``Accelerator(log_with=...)``; an empty list for none.
-    Nothing is imported or started here (accelerate starts them on the main
-    process). W&B and MLflow get the run ids of this run dir's checkpoints."""
-    run_ids, resumed_step = _resume_point(cfg, Path(run_dir))
+    Nothing is imported or started here (``start_trackers`` does, on the main process)."""
     trackers: list[GeneralTracker] = []
     for name, node in cfg.tracker.items():
         if name not in AVAILABLE:
@@ -158,30 +155,22 @@ def build_trackers(cfg: DictConfig, run_dir: Path) -> list[GeneralTracker]:
         if name == "csv":
             trackers.append(CSVTracker(run_dir, **settings))
         elif name == "tensorboard":
-            purge = resumed_step + 1 if resumed_step else None
-            trackers.append(TensorBoardTracker(run_dir, purge_step=purge, **settings))
+            trackers.append(TensorBoardTracker(run_dir, **settings))
         elif name == "wandb":
-            trackers.append(WandBTracker(cfg.project, run_dir, run_ids.get("wandb"), **settings))
+            trackers.append(WandBTracker(cfg.project, run_dir, **settings))
         else:
-            trackers.append(MLflowTracker(cfg.project, run_dir, run_ids.get("mlflow"), **settings))
+            trackers.append(MLflowTracker(cfg.project, run_dir, **settings))
     return trackers
 
 
-def _resume_point(cfg: DictConfig, run_dir: Path) -> tuple[dict[str, str], int]:
-    """Tracker run ids and step of this run dir's newest checkpoint, which
-    ``CheckpointManager.resume`` continues from ({} and 0 for a fresh start).
-    Every checkpoint of a run dir holds the same run ids, so when the newest
-    is damaged and resume falls back to an older one, the ids still match."""
-    ck = cfg.get("checkpoint") or {}
-    if not ck.get("enabled", False) or ck.get("resume", "auto") == "never":
-        return {}, 0
-    for ckpt in reversed(committed_checkpoints(run_dir / "checkpoints")):
-        try:
-            state = check_trainer_state(trust.read_json(ckpt / "trainer_state.json"))
-        except (trust.Malformed, ValueError, KeyError, TypeError):
-            continue
-        return dict(state.get("tracker_run_ids") or {}), state["step"]
-    return {}, 0
+def start_trackers(accelerator: Any, cfg: DictConfig, resume: ResumePlan) -> None:
+    """Start the run's trackers with its config. A resumed run continues where its
+    checkpoint was saved: W&B and MLflow continue the runs it logged to (their ids are
+    in the checkpoint), TensorBoard and metrics.csv drop what was logged after it."""
+    if resume.checkpoint is not None:
+        for tracker in upstream.tracker_objects(accelerator):
+            tracker.continue_from(resume.step, resume.tracker_run_ids.get(tracker.name))
+    accelerator.init_trackers(cfg.project, config=flatten_config(OmegaConf.to_container(cfg)))
 
 
 # --- what only some trackers do ---------------------------------------------------

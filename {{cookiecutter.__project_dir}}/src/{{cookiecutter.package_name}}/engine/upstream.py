@@ -77,6 +77,12 @@ def compiled_original(model: torch.nn.Module) -> torch.nn.Module | None:
     return found if isinstance(found, torch.nn.Module) else None
 
 
+def tracker_objects(accelerator: Any) -> list[Any]:
+    """The tracker objects given as ``Accelerator(log_with=...)``, before
+    ``init_trackers`` starts them (``accelerator.log_with``: read, not documented)."""
+    return [t for t in accelerator.log_with if not isinstance(t, str)]
+
+
 def job_result(job_return: Any) -> Any:
     """What a Hydra job returned or raised (``JobReturn._return_value``: its public
     ``return_value`` raises the job's exception instead of giving it)."""

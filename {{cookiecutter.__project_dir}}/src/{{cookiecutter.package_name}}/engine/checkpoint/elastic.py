@@ -4,21 +4,17 @@ The data position is kept as global samples consumed in the epoch, so a resume
 on M processes continues the same epoch order from the same sample; the global
 batch (processes x per-process batch x accumulation) is kept by adjusting the
 gradient accumulation when it divides, else it changes with a warning. Also
-which checkpoints ``checkpoint.resume`` names (shared with the manager).
+which checkpoints ``checkpoint.resume`` names (resume.py chooses among them).
 docs/checkpoints.md.
 """
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
 from . import folder
 from . import format as fmt
-
-log = logging.getLogger(__name__)
-
 
 def per_process_batch(loader: Any, num_processes: int) -> int:
     """Samples per micro-batch on one process (accelerate's prepared loader
@@ -90,37 +86,3 @@ def candidates(mode: str, own_dir: Path) -> list[Path]:
         return folder.find_checkpoints(Path(mode))
     except fmt.CheckpointError as err:
         raise fmt.CheckpointError(f"checkpoint.resume={err}") from None
-
-
-def plan_grad_accum(checkpoint: Any, *, run_dir: Path, accelerator: Any, configured: int) -> int:
-    """Before the schedule is built: the gradient accumulation of this run. With
-    the checkpoint a resume will start from saved on another number of processes,
-    the one that keeps its global batch (set on ``accelerator``); else ``configured``."""
-    accum = configured
-    mode = str(checkpoint.get("resume", "auto")) if checkpoint.get("enabled", False) else "never"
-    own_dir = Path(run_dir) / "checkpoints"
-    mode = effective_mode(mode, own_dir)
-    manifest = None
-    if mode != "never":
-        for ckpt in reversed(candidates(mode, own_dir)):
-            try:
-                manifest = fmt.read_manifest(ckpt)
-                break
-            except fmt.CheckpointError:
-                continue  # the resume reports it
-    if manifest is not None:
-        saved_world = int(manifest.get("world_size", 1))
-        saved_accum = int(manifest.get("grad_accum_steps", configured))
-        accum, warning = grad_accum_for(
-            saved_world, saved_accum, accelerator.num_processes, configured
-        )
-        if warning:
-            log.warning(warning)
-        elif accum != configured:
-            log.info(
-                f"resuming a {saved_world}-process checkpoint on {accelerator.num_processes}: "
-                f"gradient accumulation {accum} (trainer.grad_accum_steps={configured}) keeps "
-                "its global batch"
-            )
-    accelerator.gradient_accumulation_steps = accum
-    return accum

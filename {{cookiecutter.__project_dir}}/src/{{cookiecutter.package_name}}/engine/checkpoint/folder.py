@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import trust
-from ..run_dir import write_json_atomic
+from ..files import write_json_atomic
 from . import format as fmt  # fmt.pause_point is replaced by the fault-injection tests
 
 STEP_DIR = re.compile(r"^step_(\d+)$")

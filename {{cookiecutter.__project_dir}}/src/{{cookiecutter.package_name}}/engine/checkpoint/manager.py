@@ -1,11 +1,10 @@
-"""Saving when policy.py says so, what to resume, and the commit protocol
-(docs/checkpoints.md).
+"""Saving when policy.py says so, the commit protocol, and restoring the checkpoint
+a ResumePlan chose (resume.py; docs/checkpoints.md).
 
 Protocol: every rank writes into ``step_N.tmp/`` -> barrier -> the main process
 fsyncs, writes MANIFEST.json, renames to ``step_N/``, fsyncs, replaces the
-pointers, and only then prunes. Loading verifies every file first and falls
-back to the previous checkpoint with a warning naming the file. The manager
-gets ``cfg.checkpoint``; the best-metric values and the stop decision are passed in.
+pointers, and only then prunes. The manager gets ``cfg.checkpoint``; the book
+says what is a new best, the position is the state's, the stop decision is passed in.
 """
 
 from __future__ import annotations
@@ -21,12 +20,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save as save_safetensors
 
-from ..config import ConfigError, allowed_config_changes, config_differences
+from ..config import ConfigError
 from ..loaders import batches_per_epoch
 from ..state import Position, TrainState, rng_state, set_rng_state
-from . import async_save, commit, elastic, folder, full_state, policy, sharded
+from . import async_save, commit, elastic, folder, full_state, policy, resume, sharded
 from . import format as fmt
 from .format import CheckpointError, ConfigMismatch
+from .resume import ResumePlan
 
 log = logging.getLogger(__name__)
 
@@ -109,106 +109,40 @@ class CheckpointManager:
 
     # --- resume ----------------------------------------------------------------------
 
-    def resume(self) -> Position:
-        """Restore the newest valid checkpoint that ``checkpoint.resume`` points to.
-
-        ``auto``: this run dir's checkpoints, or a fresh start when there are none.
-        ``never``: a fresh start. A path (run dir, checkpoints dir or one
-        checkpoint): resume from there, or fail when nothing there is valid.
-        Once this run dir has checkpoints of its own, a path outside it only
-        started the run: restarting the same command continues from this run's
-        own checkpoints (a path inside it, e.g. an older checkpoint, is honored).
-        """
-        if not self.enabled:
+    def restore(self, plan: ResumePlan) -> Position:
+        """Restore every live object from the checkpoint ``plan`` chose (resume.py) and
+        return where training continues; a fresh start: the start. Newer checkpoints
+        than the resumed one are set aside (renamed, never deleted): one timeline."""
+        if plan.checkpoint is None:
             return Position()
-        mode = str(self.ck.get("resume", "auto"))
-        if elastic.effective_mode(mode, self.dir) != mode:
-            log.info(
-                f"{self.dir} has checkpoints: continuing this run from them "
-                f"(checkpoint.resume={mode} started it)"
-            )
-            mode = "auto"
-        if mode == "never":
-            existing = folder.committed_checkpoints(self.dir)
-            if existing:
-                raise CheckpointError(
-                    f"checkpoint.resume=never, but {self.dir} already holds checkpoints "
-                    f"({existing[-1].name}, ...) of an earlier run; saving beside them would "
-                    "mix two runs. Use another run_name, move them away, or resume=auto"
-                )
-            log.info("checkpoint.resume=never: starting from scratch")
-            return Position()
-        candidates = elastic.candidates(mode, self.dir)
-        if mode == "auto" and not candidates:
-            log.info(f"no checkpoint in {self.dir}: starting from scratch")
-            return Position()
-        where = f"checkpoint.resume={mode}"
-        if mode == "auto":
-            where += f" found {len(candidates)} in {self.dir}"
-        problems = []
-        for ckpt in reversed(candidates):  # newest first
-            try:
-                position = self.load(ckpt)
-            except ConfigMismatch as err:
-                # Another run's checkpoint (checkpoint.resume=PATH): no fallback fixes that.
-                # One of this run's own that disagrees with the run (its config.json was
-                # checked at the claim) is corrupt: the previous one is tried.
-                if not ckpt.resolve().is_relative_to(self.dir.resolve()):
-                    raise
-                log.warning(f"skipping checkpoint {ckpt}: {err}")
-                problems.append(str(err))
-                continue
-            except CheckpointError as err:
-                log.warning(f"skipping checkpoint {ckpt}: {err}")
-                problems.append(str(err))
-                continue
-            self.resumed_from = str(ckpt)
-            self.state.position = position
-            self.accelerator.wait_for_everyone()  # every rank chose before anything moves
-            if self.accelerator.is_main_process:
-                for old, new in folder.set_aside_newer_than(self.dir, position.step):
-                    log.warning(f"{old.name} is newer than the resumed checkpoint: moved to {new}")
-            log.info(
-                f"resumed from {ckpt}: step {position.step}, epoch {position.epoch + 1}, "
-                f"batch {position.batch} of {self.batches_per_epoch}"
-            )
-            return position
-        detail = "\n  ".join(problems) or "no checkpoint folders there"
-        raise CheckpointError(
-            f"{where}: no valid checkpoint, so nothing to resume (not starting over "
-            f"silently):\n  {detail}"
-        )
-
-    def load(self, ckpt: Path) -> Position:
-        """Restore one checkpoint; return where training continues.
-
-        Every file is verified and parsed first and the config compared; the
-        live objects are touched only after that, so a bad checkpoint (raises
-        CheckpointError) changes nothing. ConfigMismatch: it belongs to another
-        kind of run, which no fallback can fix."""
-        position, trainer = self._restore(ckpt)
-        self.best = trainer.get("best_checkpoint")
+        ckpt = plan.checkpoint
+        position = self._apply(ckpt, plan.manifest, plan.files)
+        self.best = plan.trainer.get("best_checkpoint")
         self._last_saved_step = position.step
+        self.resumed_from = str(ckpt)
+        self.state.position = position
+        self.accelerator.wait_for_everyone()  # every rank restored before anything moves
+        if self.accelerator.is_main_process:
+            for old, new in folder.set_aside_newer_than(self.dir, position.step):
+                log.warning(f"{old.name} is newer than the resumed checkpoint: moved to {new}")
+        log.info(
+            f"resumed from {ckpt}: step {position.step}, epoch {position.epoch + 1}, "
+            f"batch {position.batch} of {self.batches_per_epoch}"
+        )
         return position
 
-    def _restore(self, ckpt: Path) -> tuple[Position, dict[str, Any]]:
-        rank, world = self.accelerator.process_index, self.accelerator.num_processes
-        manifest = fmt.read_manifest(ckpt)
+    def load(self, ckpt: Path) -> Position:
+        """Verify and restore one checkpoint (preflight's round trip), changing
+        nothing else; returns its position. Every file is verified and parsed and
+        the config compared before a live object is touched."""
+        manifest, files = resume.verify(ckpt, config=self.config, accelerator=self.accelerator)
+        return self._apply(ckpt, manifest, files)
+
+    def _apply(self, ckpt: Path, manifest: dict[str, Any], loaded: dict[str, Any]) -> Position:
+        """Load verified, parsed files into the live objects. ConfigMismatch when the
+        state does not fit them (another model or optimizer)."""
+        world = self.accelerator.num_processes
         saved_world = int(manifest.get("world_size", 1))
-        rng_name = f"rng_rank{rank % saved_world}.pt"
-        names = [n for n in manifest["files"] if not n.startswith("rng_rank")] + [rng_name]
-        layout = manifest.get("layout", "full")
-        loaded = fmt.verify_files(ckpt, names, parse=sharded.parse)  # every shard, every rank
-        allowed = allowed_config_changes(self.config)
-        diffs = config_differences(loaded["config.json"], self.config, allowed)
-        if diffs:
-            # Not a fallback case: every checkpoint of that run has the same config.
-            raise ConfigMismatch(
-                f"cannot resume from {ckpt}: the config differs in keys that change the "
-                "model, data or optimization:\n  " + "\n  ".join(diffs) + "\n"
-                "Start a new run (another run_name, or checkpoint.resume=never), or put "
-                "the keys back. Allowed to change: " + ", ".join(allowed)
-            )
         trainer = loaded["trainer_state.json"]
         batch, problem = elastic.resume_batch(
             trainer,
@@ -223,6 +157,8 @@ class CheckpointManager:
                 "the same epoch order continues from the same sample, but not bit-exactly"
                 + (f"; {problem}" if problem else "")
             )
+        rng_name = next(n for n in loaded if n.startswith("rng_rank"))
+        layout = manifest.get("layout", "full")
         try:
             full_state.restore(
                 layout, ckpt, self.accelerator, self.state.model, self.state.optimizer, loaded
@@ -243,8 +179,7 @@ class CheckpointManager:
             raise ConfigMismatch(f"{ckpt}: the state does not fit this run: {err}") from err
         # At the end of an epoch, batch == batches_per_epoch: train.py skips
         # the whole epoch (nothing left of it) and goes on with the next one.
-        position = Position(int(trainer["step"]), int(trainer["epoch"]), batch)
-        return position, trainer
+        return Position(int(trainer["step"]), int(trainer["epoch"]), batch)
 
     # --- save ------------------------------------------------------------------------
 
@@ -339,10 +274,6 @@ class CheckpointManager:
         self._write(job, failed, sync=True)
         self.accelerator.wait_for_everyone()
         return job.final
-
-    def scratch_load(self, ckpt: Path) -> None:
-        """Restore a ``scratch_save`` (every live object), changing nothing else."""
-        self._restore(ckpt)
 
     def wait(self) -> None:
         """Block until the save in flight (``checkpoint.async``) is written and,

@@ -115,7 +115,7 @@ def round_trip_and_timing(
             result.save_error = str(err)
         try:
             started = time.perf_counter()
-            ckpt.scratch_load(restore_point)
+            ckpt.load(restore_point)
             result.load_s = time.perf_counter() - started
             if fresh_optimizer:
                 _forget_optimizer_state(state.optimizer)

@@ -21,7 +21,7 @@ from accelerate.utils import gather_object
 from omegaconf import DictConfig
 
 from ..checkpoint import CheckpointManager
-from ..run_dir import write_json_atomic
+from ..files import write_json_atomic
 from ..state import TrainState
 from .checks import (
     SCRATCH,
