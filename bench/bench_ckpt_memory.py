@@ -45,6 +45,7 @@ def _child_ckpt_memory(spec: dict) -> None:
 
     build_accelerator = bench_project.module("engine.accel").build_accelerator
     fmt = bench_project.module("engine.checkpoint.format")
+    protocol = bench_project.module("engine.checkpoint.save")
     full_state = bench_project.module("engine.checkpoint.full_state")
     sharded = bench_project.module("engine.checkpoint.sharded")
     shard_model = bench_project.module("engine.fsdp").shard_model
@@ -69,11 +70,11 @@ def _child_ckpt_memory(spec: dict) -> None:
         base = _reset_peak_rss()
         tensors, shards, extra = full_state.take(layout, acc, model, optimizer)
         if layout == "full" and acc.is_main_process:
-            fmt.write_main_files(folder, 0, tensors, {})
+            protocol.write_main_files(folder, 0, tensors, {})
         elif layout == "sharded":
             sharded.write(folder, *shards, 0)
             if acc.is_main_process:
-                (folder / sharded.OPTIMIZER_GROUPS).write_bytes(extra[sharded.OPTIMIZER_GROUPS])
+                (folder / fmt.OPTIMIZER_GROUPS).write_bytes(extra[fmt.OPTIMIZER_GROUPS])
         del tensors, shards
         out[f"{layout}_save_peak"] = _peak_rss_since_reset() - base
         acc.wait_for_everyone()
@@ -84,8 +85,8 @@ def _child_ckpt_memory(spec: dict) -> None:
                 "optimizer.pt": fmt.load_tensors_safely(folder / "optimizer.pt", "optimizer.pt"),
             }
         else:
-            groups = json.loads((folder / sharded.OPTIMIZER_GROUPS).read_text())
-            loaded = {sharded.OPTIMIZER_GROUPS: groups}
+            groups = json.loads((folder / fmt.OPTIMIZER_GROUPS).read_text())
+            loaded = {fmt.OPTIMIZER_GROUPS: groups}
         full_state.restore(layout, folder, acc, model, optimizer, loaded)
         del loaded
         out[f"{layout}_load_peak"] = _peak_rss_since_reset() - base

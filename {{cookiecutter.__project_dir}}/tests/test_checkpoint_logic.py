@@ -14,6 +14,7 @@ from safetensors.torch import save
 
 from {{ cookiecutter.package_name }}.engine.agreement import StepAgreement
 from {{ cookiecutter.package_name }}.engine.checkpoint import CheckpointManager, folder, plan_resume
+from {{ cookiecutter.package_name }}.engine.checkpoint import save as protocol
 from {{ cookiecutter.package_name }}.engine.checkpoint import format as fmt
 from {{ cookiecutter.package_name }}.engine.config import (
     ALLOWED_CONFIG_CHANGES,
@@ -47,7 +48,7 @@ def fake_checkpoint(root: Path, step: int, files: dict[str, bytes] | None = None
         (tmp / name).write_bytes(data)
         entries[name] = {"sha256": fmt.sha256(data), "size": len(data)}
     final = root / folder.checkpoint_name(step)
-    fmt.commit(tmp, final, {"step": step, "epoch": 0}, entries)
+    protocol.commit(tmp, final, {"step": step, "epoch": 0}, entries)
     return final
 
 
@@ -73,7 +74,7 @@ def test_manifest_commit_and_verify(tmp_path):
 def test_xxh3_manifests_verify_catch_a_flipped_byte_and_sha256_ones_still_load(tmp_path):
     state = {"w": torch.arange(1000, dtype=torch.float32)}
     files = contents(3)
-    files["optimizer.pt"] = bytes(fmt.torch_bytes(state))
+    files["optimizer.pt"] = bytes(protocol.torch_bytes(state))
     new = fake_checkpoint(tmp_path / "new", 3, files)
     entries = {n: fmt.file_entry(d) for n, d in files.items()}  # the current hash
     manifest = json.loads((new / fmt.MANIFEST).read_text())
@@ -126,8 +127,8 @@ def test_pruning_keeps_the_newest_and_the_best(tmp_path):
     root = tmp_path / "real"
     for step in (7, 10, 14):
         fake_checkpoint(root, step)
-    folder.prune(root, 14, keep_last=2, best_step=None)
-    fmt.threads("io").submit(lambda: None).result()  # deletions run in the io pool
+    protocol.prune(root, 14, keep_last=2, best_step=None)
+    protocol.threads("io").submit(lambda: None).result()  # deletions run in the io pool
     assert names(folder.committed_checkpoints(root)) == ["step_0000010", "step_0000014"]
 
 
@@ -347,18 +348,18 @@ def test_streamed_safetensors_read_back_by_safetensors_bit_for_bit(tmp_path):
     from safetensors.torch import save as save_bytes
 
     weight = torch.randn(3, 5)
-    state = {f"t_{str(d)[6:]}": (torch.randn(4, 3) * 50).to(d) for d in fmt.SAFETENSORS_DTYPES}
+    state = {f"t_{str(d)[6:]}": (torch.randn(4, 3) * 50).to(d) for d in protocol.SAFETENSORS_DTYPES}
     state |= {"scalar": torch.tensor(2.5), "empty": torch.zeros(0, 7), "w": weight, "tied": weight}
     path = tmp_path / "model.safetensors"
     with path.open("wb") as out:
-        fmt.write_safetensors(out, fmt.unshared(state), {"step": "7"})
+        protocol.write_safetensors(out, protocol.unshared(state), {"step": "7"})
     back = load_bytes(path.read_bytes())
     assert sorted(back) == sorted(state)
     for name, tensor in state.items():
         assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
     with safe_open(str(path), "pt") as f:
         assert f.metadata() == {"step": "7"}
-    theirs = load_bytes(save_bytes(fmt.unshared(state)))
+    theirs = load_bytes(save_bytes(protocol.unshared(state)))
     assert all(torch.equal(theirs[k], back[k]) for k in state)
     with pytest.raises(fmt.CheckpointError, match="complex64"):
-        fmt.write_safetensors(tmp_path / "x", {"c": torch.zeros(2, dtype=torch.complex64)}, {})
+        protocol.write_safetensors(tmp_path / "x", {"c": torch.zeros(2, dtype=torch.complex64)}, {})

@@ -20,7 +20,7 @@ from torch import nn
 
 from {{ cookiecutter.package_name }} import task
 from {{ cookiecutter.package_name }}.engine import fsdp
-from {{ cookiecutter.package_name }}.engine.checkpoint import commit, folder, sharded, ties
+from {{ cookiecutter.package_name }}.engine.checkpoint import folder, save, sharded, ties
 from {{ cookiecutter.package_name }}.engine.checkpoint.__main__ import main as checkpoint_cli
 from {{ cookiecutter.package_name }}.engine.checkpoint.format import CheckpointError
 from {{ cookiecutter.package_name }}.engine.config import ConfigError, check_config, resolve_config
@@ -218,14 +218,14 @@ def test_a_save_failing_on_its_tensors_gives_no_disk_advice(tmp_path):
     shared = torch.zeros(4, 4)
     with pytest.raises(CheckpointError) as err:  # a real DCP save of memory-sharing tensors
         sharded.write(tmp_path / "a", {"a": shared, "b": shared}, {}, 1)
-    message = str(commit.write_error(job, err.value))
+    message = str(save.write_error(job, err.value))
     assert "Some tensors share memory" in message and "not a disk problem" in message
     assert "free disk space" not in message
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / sharded.MODEL_DIR).write_text("")  # a file in the folder's place
     with pytest.raises(OSError) as err:
         sharded.write(tmp_path / "b", {"a": torch.zeros(2)}, {}, 1)
-    assert "free disk space or fix permissions" in str(commit.write_error(job, err.value))
+    assert "free disk space or fix permissions" in str(save.write_error(job, err.value))
 
 
 def test_the_task_reads_the_logits_of_an_output_object():

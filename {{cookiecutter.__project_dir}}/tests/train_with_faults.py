@@ -6,7 +6,7 @@ at STEP, or the first time) prints ``CKPT_TEST_PAUSED POINT step N`` and sleeps
 (SECONDS, else an hour), so a test can SIGKILL the process exactly there. The
 hook is installed when this file is imported, so spawned DDP workers (which
 import the parent's main script) have it too; production code only carries the
-no-op ``checkpoint.format.pause_point``.
+no-op ``checkpoint.save.pause_point``.
 """
 
 import os
@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from {{ cookiecutter.package_name }}.engine.checkpoint import format as checkpoint_format
+from {{ cookiecutter.package_name }}.engine.checkpoint import save as checkpoint_save
 
 TRAIN = Path(__file__).resolve().parents[1] / "train.py"
 
@@ -30,7 +30,7 @@ def pause_point(point: str, step: int) -> None:
         time.sleep(float(seconds or 3600))
 
 
-checkpoint_format.pause_point = pause_point
+checkpoint_save.pause_point = pause_point
 
 # train.py's code runs in this module's namespace: its functions belong to this
 # main module, so spawned workers (which import it as __mp_main__) find them

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from .. import task
 from .accel import build_accelerator
 from .checkpoint import CheckpointError
+from .checkpoint import format as fmt
 from .config import (
     ConfigError,
     check_config,
@@ -78,7 +79,7 @@ def prepare(raw: DictConfig) -> tuple[DictConfig, Path]:
         # the first valid checkpoint (verified: a corrupt one is skipped, as resume does)
         ckpt, _, saved = read_first_valid(composed.ckpt, composed.ckpt_pick, composed.weights)
         # the run's model and data are built only from targets this project trusts
-        where = str(ckpt / "config.json")
+        where = str(ckpt / fmt.CONFIG)
         saved = trusted_config(saved, BUILT_FROM_RUN, trusted=composed.trusted_targets, where=where)
         cfg = run_config(saved, composed, list(HydraConfig.get().overrides.task))
         cfg.ckpt, cfg.ckpt_pick = str(ckpt), "best"  # every worker loads exactly this one

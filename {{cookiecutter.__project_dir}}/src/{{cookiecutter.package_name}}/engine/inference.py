@@ -69,13 +69,13 @@ def checkpoint_candidates(path: str | Path, pick: str = "best") -> list[Path]:
     if pick == "latest":
         return newest_first
     root = found[-1].parent
-    if not (root / "best.json").is_file():
+    if not (root / fmt.BEST).is_file():
         raise CheckpointError(
             f"{path}: no best checkpoint ({root / 'best.json'} is missing: trained with "
             "checkpoint.save_best.enabled=false?); use pick=latest (eval.py: ckpt_pick=latest)"
         )
     try:
-        named = [folder.read_pointer(root, "best.json")]
+        named = [folder.read_pointer(root, fmt.BEST)]
     except CheckpointError as err:
         log.warning(f"{err}: taking the best of the valid checkpoints instead")
         named = []
@@ -124,14 +124,14 @@ def read_weights(ckpt: Path, weights: str = "raw") -> tuple[dict[str, torch.Tens
     check_choice("weights", weights, WEIGHTS)
     manifest = fmt.read_manifest(ckpt)
     shards = manifest.get("layout") == "sharded" and weights == "raw"  # model/ shards
-    name = "model.safetensors" if weights == "raw" else EMA_FILE
+    name = fmt.MODEL if weights == "raw" else EMA_FILE
     if name not in manifest["files"] and not shards:
         raise CheckpointError(
             f"{ckpt} holds no EMA weights (trained without trainer.ema.enabled=true): "
             "use weights=raw"
         )
     # Every file verified, as resume and the CLI do; only these read whole.
-    wanted = (name, "config.json", ties.TIES_FILE)
+    wanted = (name, fmt.CONFIG, ties.TIES_FILE)
     loaded = fmt.verify_files(
         ckpt, parse=lambda n, p: fmt.parse_file(n, p) if n in wanted else fmt.check_content(n, p)
     )
@@ -139,7 +139,7 @@ def read_weights(ckpt: Path, weights: str = "raw") -> tuple[dict[str, torch.Tens
     state = ties.restore(full, ties.of_checkpoint(loaded, ckpt))  # tied: stored once
     if weights == "ema":  # torch.optim.swa_utils.AveragedModel's keys: module.* + n_averaged
         state = {k.removeprefix("module."): v for k, v in state.items() if k != "n_averaged"}
-    return state, loaded["config.json"]
+    return state, loaded[fmt.CONFIG]
 
 
 def trusted_config(

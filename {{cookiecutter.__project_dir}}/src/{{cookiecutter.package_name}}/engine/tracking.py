@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from .. import task
 from . import upstream
 from .checkpoint import ResumePlan
+from .checkpoint import format as fmt
 from .config import ConfigError, flatten_config
 from .trackers import (
     CSVTracker,
@@ -204,7 +205,7 @@ def log_final_model(accelerator: Any, cfg: DictConfig, run_dir: Path, loader: An
         return
     import mlflow
 
-    weights = Path(run_dir) / "model.safetensors"
+    weights = Path(run_dir) / fmt.MODEL
     mlflow.log_artifact(str(weights))
     if not tracker.log_model:
         return

@@ -1,13 +1,13 @@
 """Checkpoints: atomic, verified, safe to load, and a resume that continues bit-exactly.
 
-``format`` (one checkpoint's files, manifest, verify, safe load), ``folder``
-(the checkpoints folder: names, pointers, pruning), ``policy`` (when to save),
-``resume`` (the one plan of where a launch continues), ``manager`` (saving,
-restoring), ``commit`` (the save protocol's writing half), ``async_save``
-(staging, background writer), ``full_state`` (model and optimizer state
-gathered to full tensors), ``sharded`` (per-rank DCP safetensors shards),
-``elastic`` (resuming on another number of processes), ``__main__`` (the
-list/verify/export CLI). docs/checkpoints.md.
+The save path: ``manager`` (when to save, staging the state; restoring), ``save``
+(write, manifest, commit, pointers, prune; sync or in the background) and
+``folder`` (the checkpoints folder: names, pointers, what pruning removes).
+``format`` (the file names, manifest, verify, safe load), ``policy`` (when to
+save), ``resume`` (the one plan of where a launch continues), ``full_state`` /
+``sharded`` / ``ties`` (what the model and optimizer state is, full or per-rank
+shards, tied parameters once), ``elastic`` (resuming on another number of
+processes), ``__main__`` (the list/verify/export CLI). docs/checkpoints.md.
 """
 
 from .folder import committed_checkpoints

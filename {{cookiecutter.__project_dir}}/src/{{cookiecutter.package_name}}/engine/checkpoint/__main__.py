@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError
+from . import format as fmt
 from . import sharded, ties
 from .export_hf import export_hf
 from .folder import find_checkpoints, read_pointer
@@ -90,7 +91,7 @@ def _best(path: Path) -> list[Path]:
     the same folder: folder.read_pointer)."""
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     try:
-        return [read_pointer(root, "best.json")]
+        return [read_pointer(root, fmt.BEST)]
     except CheckpointError as err:
         print(f"--best: {err}", file=sys.stderr)
         return []
@@ -124,9 +125,9 @@ def _cli_export(path: Path, out: Path, best: bool, form: str, trusted: list[str]
         elif layout == "sharded":
             sharded.consolidate(ckpt, tmp)
         elif tied:
-            ties.with_metadata(ckpt / "model.safetensors", tmp, tied)
+            ties.with_metadata(ckpt / fmt.MODEL, tmp, tied)
         else:
-            shutil.copyfile(ckpt / "model.safetensors", tmp)
+            shutil.copyfile(ckpt / fmt.MODEL, tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, out)

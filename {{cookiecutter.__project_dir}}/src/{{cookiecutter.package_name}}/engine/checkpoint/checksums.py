@@ -11,6 +11,7 @@ safe loading, not by the hash. Each manifest entry names its algorithm
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,14 @@ import xxhash
 
 HASH = "xxh3_128"  # what new checkpoints use; HASHES: what a manifest entry may name
 HASHES: dict[str, Any] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+
+
+@functools.cache
+def threads(kind: str) -> ThreadPoolExecutor:
+    """Long-lived worker threads, one pool per ``kind`` ("io": writing files,
+    "hash": hashing; separate, so writers can wait for hashes without a
+    deadlock). Starting threads for every save would cost more than hashing."""
+    return ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"checkpoint-{kind}")
 
 
 def sha256(data: bytes | memoryview) -> str:

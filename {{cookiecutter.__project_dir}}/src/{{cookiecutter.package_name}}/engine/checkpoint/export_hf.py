@@ -30,10 +30,10 @@ from . import sharded, ties
 def export_hf(ckpt: Path, out: Path, *, trusted: Any = (), max_shard_size: str = "5GB") -> None:
     """Write ``out`` (replaced whole, never half-written) from the verified ``ckpt``."""
     config = trusted_config(
-        fmt.parse_file("config.json", ckpt / "config.json"),
+        fmt.parse_file(fmt.CONFIG, ckpt / fmt.CONFIG),
         ("model", "data"),
         trusted=trusted,
-        where=str(ckpt / "config.json"),
+        where=str(ckpt / fmt.CONFIG),
     )
     with torch.device("meta"):
         model = instantiate(OmegaConf.create(config["model"]), what="model")
@@ -69,4 +69,4 @@ def export_hf(ckpt: Path, out: Path, *, trusted: Any = (), max_shard_size: str =
 def _weights(ckpt: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return load_file(ckpt / "model.safetensors")
+    return load_file(ckpt / fmt.MODEL)

@@ -1,7 +1,7 @@
-"""The checkpoints folder: step names, which checkpoints a path names, the
-``latest.json``/``best.json`` pointers, pruning (keep last N and the best), and
-the clean-up of interrupted saves and of a superseded timeline. The files inside
-one checkpoint are format.py's. docs/checkpoints.md.
+"""The checkpoints folder, read: step names, which checkpoints a path names, the
+``latest.json``/``best.json`` pointers, which checkpoints pruning removes (keep
+last N and the best), and the clean-up of interrupted saves and of a superseded
+timeline. Writing the pointers and pruning are save.py's. docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import trust
-from ..files import write_json_atomic
-from . import format as fmt  # fmt.pause_point is replaced by the fault-injection tests
+from . import format as fmt
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 MIN_KEEP = 2  # checkpoint.keep_last below this is raised: the newest may be half-written
@@ -69,16 +68,6 @@ def find_checkpoints(path: Path) -> list[Path]:
     return committed_checkpoints(root)
 
 
-def write_pointers(root: Path, step: int, new_best: dict[str, Any] | None) -> None:
-    """``latest.json`` (and ``best.json`` for a new best), replaced atomically."""
-    fmt.pause_point("before_pointers", step)
-    pointer = {"step": step, "path": checkpoint_name(step)}
-    write_json_atomic(root / "latest.json", pointer)
-    if new_best is not None:
-        write_json_atomic(root / "best.json", {**pointer, **new_best})
-    fmt.fsync_dir(root)
-
-
 def to_prune(ckpts: list[Path], keep_last: int, best_step: int | None) -> list[Path]:
     """Which committed checkpoints (oldest first) pruning removes: all but the
     ``keep_last`` (at least MIN_KEEP) newest and the best; never the newest."""
@@ -86,17 +75,6 @@ def to_prune(ckpts: list[Path], keep_last: int, best_step: int | None) -> list[P
     if best_step is not None:
         keep.add(checkpoint_name(best_step))
     return [ckpt for ckpt in ckpts[:-1] if ckpt.name not in keep]
-
-
-def prune(root: Path, step: int, keep_last: int, best_step: int | None) -> None:
-    """Remove what ``to_prune`` says; runs only after a commit. Rename first
-    (atomic), then delete: a crash mid-delete leaves a ``*.tmp`` folder (removed
-    at the next start), never a half checkpoint. Deleting does not block."""
-    for ckpt in to_prune(committed_checkpoints(root), keep_last, best_step):
-        doomed = ckpt.with_name(f"{ckpt.name}.pruned.tmp")
-        os.replace(ckpt, doomed)
-        fmt.pause_point("pruning", step)
-        fmt.threads("io").submit(shutil.rmtree, doomed, ignore_errors=True)
 
 
 def remove_stale_tmp(root: Path) -> list[Path]:

@@ -1,6 +1,6 @@
-"""One checkpoint on disk: its files, the manifest, the commit step,
+"""One checkpoint on disk, read: the table of its file names, the manifest,
 verification and safe loading (each file read once; checksums in checksums.py).
-No accelerator: unit-testable.
+Writing it is save.py's. No accelerator: unit-testable.
 
 ``step_0000500/`` holds ``model.safetensors``, ``optimizer.pt``, ``scheduler.pt``
 (``scaler.pt``), ``rng_rank{r}.pt``, ``trainer_state.json``, ``config.json`` and,
@@ -29,8 +29,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file as load_safetensors_file
 
-# Re-exported: callers name them as format's (fmt.HASH, fmt.file_entry, fmt.sha256).
 from .. import trust
+from . import checksums
+
+# Re-exported: callers name them as format's (fmt.HASH, fmt.file_entry, fmt.sha256).
 from .checksums import (  # noqa: F401
     HASH,
     HASHES,
@@ -42,24 +44,28 @@ from .checksums import (  # noqa: F401
     sha256,
 )
 
+# The file names of a checkpoint and of its folder: every module names them from here.
 MANIFEST = "MANIFEST.json"
+MODEL = "model.safetensors"
+OPTIMIZER = "optimizer.pt"
+SCHEDULER = "scheduler.pt"
+SCALER = "scaler.pt"
+TRAINER_STATE = "trainer_state.json"
+CONFIG = "config.json"
+OPTIMIZER_GROUPS = "optimizer_groups.json"  # sharded: the parameter groups, as JSON
+RNG_PREFIX = "rng_rank"
+LATEST, BEST = "latest.json", "best.json"  # the pointers, beside the step_* folders
 FORMAT_VERSION = 1  # unchanged by the hash: each entry names its algorithm
-REQUIRED_FILES = (
-    "model.safetensors",
-    "optimizer.pt",
-    "scheduler.pt",
-    "rng_rank0.pt",
-    "trainer_state.json",
-    "config.json",
-)
+
+
+def rng_file(rank: int) -> str:
+    """Each rank's RNG state: ``rng_rank{rank}.pt``."""
+    return f"{RNG_PREFIX}{rank}.pt"
+
+
+REQUIRED_FILES = (MODEL, OPTIMIZER, SCHEDULER, rng_file(0), TRAINER_STATE, CONFIG)
 # checkpoint.format=sharded (sharded.py): model/ and optimizer/ hold per-rank shards.
-SHARDED_REQUIRED_FILES = (
-    "optimizer_groups.json",
-    "scheduler.pt",
-    "rng_rank0.pt",
-    "trainer_state.json",
-    "config.json",
-)
+SHARDED_REQUIRED_FILES = (OPTIMIZER_GROUPS, SCHEDULER, rng_file(0), TRAINER_STATE, CONFIG)
 SHARD_DIRS = ("model", "optimizer")
 
 
@@ -73,37 +79,7 @@ class ConfigMismatch(CheckpointError):
     """The checkpoint belongs to a run with an incompatible config (no fallback)."""
 
 
-def pause_point(point: str, step: int) -> None:
-    """A no-op called at the moments of a save a crash is tested at
-    (``between_files``, ``before_rename``, ``before_pointers``, ``pruning``).
-    The fault-injection tests replace it (tests/train_with_faults.py) to pause
-    there and SIGKILL the process; production code never does anything here."""
-
-
 # --- files: fsync, hashing, names ----------------------------------------------------
-
-
-@functools.cache
-def threads(kind: str) -> ThreadPoolExecutor:
-    """Long-lived worker threads, one pool per ``kind`` ("io": writing files,
-    "hash": hashing; separate, so writers can wait for hashes without a
-    deadlock). Starting threads for every save would cost more than hashing."""
-    return ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"checkpoint-{kind}")
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_file(path: Path, data: bytes | memoryview) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def bad_name(name: str) -> bool:
@@ -284,7 +260,7 @@ def verify_files(
         _size_checked(ckpt, name, files[name])
     parsed: dict[str, Any] = {}
     parse_error: CheckpointError | None = None
-    checks = [threads("hash").submit(_check_file, ckpt, n, files[n]) for n in wanted]
+    checks = [checksums.threads("hash").submit(_check_file, ckpt, n, files[n]) for n in wanted]
     for name in wanted if parse else []:
         try:
             parsed[name] = parse(name, ckpt / name)
@@ -387,127 +363,3 @@ def parse_file(name: str, path: Path) -> Any:
     except Exception as err:  # safetensors raises its own error types
         raise CheckpointError(f"{path}: unreadable ({err})") from err
     return load_tensors_safely(path, str(path))
-
-
-# --- writing ---------------------------------------------------------------------------
-
-
-def unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """CPU tensors for safetensors, which refuses tensors sharing memory (tied
-    weights, views of one buffer): those after the first are copied. Loading
-    assigns each name, so tied parameters come back tied to the same values."""
-    seen: set[int] = set()
-    out = {}
-    for name, tensor in state.items():
-        tensor = tensor.detach().cpu().contiguous()
-        storage = tensor.untyped_storage().data_ptr()
-        if storage in seen:
-            tensor = tensor.clone()
-        seen.add(storage)
-        out[name] = tensor
-    return out
-
-
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-}  # fmt: skip
-
-
-def write_safetensors(out: Any, state: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """``state`` (``unshared``) to ``out`` in the safetensors format: an 8-byte
-    little-endian header length, the JSON header (padded with spaces to 8 bytes),
-    then each tensor's bytes in header order; ``safetensors`` reads it. Hand-written
-    because ``safetensors.torch.save`` builds the whole file as one bytes object
-    first: 72-107 ms for a 76 MB model here, as long as ``torch.save`` of its 152 MB
-    AdamW state. This writes each tensor's own buffer (no copy), hashed on the way."""
-    assert sys.byteorder == "little", "safetensors stores little-endian"
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for name, tensor in state.items():
-        if tensor.dtype not in SAFETENSORS_DTYPES:
-            raise CheckpointError(f"{name}: dtype {tensor.dtype} has no safetensors code here")
-        size = tensor.numel() * tensor.element_size()
-        header[name] = {
-            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    out.write(len(text).to_bytes(8, "little") + text)
-    for tensor in state.values():
-        if tensor.numel():
-            out.write(tensor.reshape(-1).view(torch.uint8).numpy())
-
-
-def torch_save(obj: Any, out: Any) -> None:
-    """torch.save without its per-record CRC32: the manifest's checksum already
-    covers every byte (torch.load reads such files as usual)."""
-    get_crc32 = getattr(torch.serialization, "get_crc32_options", None)  # torch >= 2.5
-    if get_crc32 is None:
-        torch.save(obj, out)
-        return
-    before = get_crc32()
-    torch.serialization.set_crc32_options(False)
-    try:
-        torch.save(obj, out)
-    finally:
-        torch.serialization.set_crc32_options(before)
-
-
-def torch_bytes(obj: Any) -> memoryview:
-    buf = io.BytesIO()
-    torch_save(obj, buf)
-    return buf.getbuffer()
-
-
-def write_main_files(
-    tmp: Path, step: int, tensors: dict[str, Any], blobs: dict[str, bytes | memoryview]
-) -> dict[str, dict[str, Any]]:
-    """Serialize and write + fsync the main process's files into ``tmp``, in
-    threads; returns their manifest entries. Each file is hashed from the same
-    buffers as they are written, so hashing costs little time and no copy."""
-    model_state, optimizer_state = tensors["model.safetensors"], tensors["optimizer.pt"]
-    writers = threads("io")
-
-    def write(fname: str, serialize: Callable[[HashingWriter], Any]) -> dict[str, Any]:
-        with HashingWriter(tmp / fname, threads("hash")) as out:
-            serialize(out)
-        return out.entry
-
-    futures = {
-        "model.safetensors": writers.submit(
-            write,
-            "model.safetensors",
-            lambda out: write_safetensors(out, unshared(model_state), {"step": str(step)}),
-        )
-    }
-    pause_point("between_files", step)  # the model file written or in flight
-    futures["optimizer.pt"] = writers.submit(
-        write, "optimizer.pt", lambda out: torch_save(optimizer_state, out)
-    )
-    for fname, data in blobs.items():
-        futures[fname] = writers.submit(write, fname, lambda out, d=data: out.write(d))
-    return {fname: future.result() for fname, future in futures.items()}
-
-
-def commit(
-    tmp: Path, final: Path, manifest: dict[str, Any], files: dict[str, dict[str, Any]]
-) -> None:
-    """Write MANIFEST.json (last, fsynced), then rename ``tmp`` to ``final``
-    (replacing an older folder of the same step) and fsync the parent."""
-    manifest = {**manifest, "files": dict(sorted(files.items()))}
-    write_file(tmp / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
-    fsync_dir(tmp)
-    pause_point("before_rename", manifest["step"])
-    if final.exists():  # the same step again (e.g. after a fallback)
-        old = final.with_name(f"{final.name}.replaced.tmp")
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)  # the commit
-    fsync_dir(final.parent)

@@ -19,8 +19,9 @@ from torch.nn import DataParallel
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import upstream
+from ..files import fsync_dir, write_durable
 from . import format as fmt
-from . import sharded, ties
+from . import save, sharded, ties
 
 
 def take(
@@ -33,14 +34,14 @@ def take(
     tied = ties.find(plain_model(accelerator, model))
     if layout == "sharded":
         model_sd, optim_tensors, plain = sharded.state_dicts(accelerator, model, optimizer)
-        extra = {sharded.OPTIMIZER_GROUPS: sharded.optimizer_groups_bytes(plain)} if main else {}
+        extra = {fmt.OPTIMIZER_GROUPS: sharded.optimizer_groups_bytes(plain)} if main else {}
         shards, tensors = (model_sd, optim_tensors), {}
     else:
         weights = model_state(accelerator, model)  # every name, tied ones too
         tied = ties.in_state(tied, weights)
         state = ties.drop_aliases(weights, tied), optimizer_state(accelerator, model, optimizer)
         shards, extra = None, {}
-        tensors = {"model.safetensors": state[0], "optimizer.pt": state[1]} if main else {}
+        tensors = {fmt.MODEL: state[0], fmt.OPTIMIZER: state[1]} if main else {}
     if tied and main:  # the aliases dropped (sharded.state_dicts too), recorded here
         extra[ties.TIES_FILE] = ties.to_bytes(tied)
     return tensors, shards, extra
@@ -56,10 +57,10 @@ def restore(
 ) -> None:
     """Load a verified checkpoint's model and optimizer (``loaded``: its parsed files)."""
     if layout == "sharded":
-        sharded.load(ckpt, accelerator, model, optimizer, loaded[sharded.OPTIMIZER_GROUPS])
+        sharded.load(ckpt, accelerator, model, optimizer, loaded[fmt.OPTIMIZER_GROUPS])
     else:
-        weights = ties.restore(loaded["model.safetensors"], ties.of_checkpoint(loaded, ckpt))
-        load_model_and_optimizer(accelerator, model, optimizer, weights, loaded["optimizer.pt"])
+        weights = ties.restore(loaded[fmt.MODEL], ties.of_checkpoint(loaded, ckpt))
+        load_model_and_optimizer(accelerator, model, optimizer, weights, loaded[fmt.OPTIMIZER])
 
 
 def plain_model(accelerator: Any, model: torch.nn.Module) -> torch.nn.Module:
@@ -143,10 +144,10 @@ def save_final_weights(accelerator: Any, model: torch.nn.Module, run_dir: Path) 
     tied = ties.in_state(ties.find(plain_model(accelerator, model)), state)
     metadata = {"format": "pt", **({ties.METADATA_KEY: json.dumps(tied)} if tied else {})}
     if accelerator.is_main_process:  # atomic: a crash leaves the old file or none
-        final = Path(run_dir) / "model.safetensors"
+        final = Path(run_dir) / fmt.MODEL
         tmp = final.with_name(f".{final.name}.tmp")
-        state = fmt.unshared(ties.drop_aliases(state, tied))
-        fmt.write_file(tmp, save_safetensors(state, metadata=metadata))
+        state = save.unshared(ties.drop_aliases(state, tied))
+        write_durable(tmp, save_safetensors(state, metadata=metadata))
         os.replace(tmp, final)
-        fmt.fsync_dir(final.parent)
+        fsync_dir(final.parent)
     accelerator.wait_for_everyone()

@@ -23,7 +23,7 @@ from safetensors.torch import save as save_safetensors
 from ..config import ConfigError
 from ..loaders import batches_per_epoch
 from ..state import Position, TrainState, rng_state, set_rng_state
-from . import async_save, commit, elastic, folder, full_state, policy, resume, sharded
+from . import elastic, folder, full_state, policy, resume, save, sharded
 from . import format as fmt
 from .format import CheckpointError, ConfigMismatch
 from .resume import ResumePlan
@@ -85,8 +85,8 @@ class CheckpointManager:
         self._metrics: dict[str, float] = {}  # the latest metrics, for the manifest
         # checkpoint.async: stage in memory, write and commit in a background thread.
         self.asynchronous = bool(self.ck.get("async", False))
-        self._stager = async_save.Stager()
-        self._in_flight: async_save.SaveJob | None = None  # at most one save
+        self._stager = save.Stager()
+        self._in_flight: save.SaveJob | None = None  # at most one save
         if self.enabled:
             if accelerator.is_main_process:
                 for path in folder.remove_stale_tmp(self.dir):
@@ -143,7 +143,7 @@ class CheckpointManager:
         state does not fit them (another model or optimizer)."""
         world = self.accelerator.num_processes
         saved_world = int(manifest.get("world_size", 1))
-        trainer = loaded["trainer_state.json"]
+        trainer = loaded[fmt.TRAINER_STATE]
         batch, problem = elastic.resume_batch(
             trainer,
             saved_world=saved_world,
@@ -157,16 +157,16 @@ class CheckpointManager:
                 "the same epoch order continues from the same sample, but not bit-exactly"
                 + (f"; {problem}" if problem else "")
             )
-        rng_name = next(n for n in loaded if n.startswith("rng_rank"))
+        rng_name = next(n for n in loaded if n.startswith(fmt.RNG_PREFIX))
         layout = manifest.get("layout", "full")
         try:
             full_state.restore(
                 layout, ckpt, self.accelerator, self.state.model, self.state.optimizer, loaded
             )
-            self.state.scheduler.load_state_dict(loaded["scheduler.pt"])
+            self.state.scheduler.load_state_dict(loaded[fmt.SCHEDULER])
             scaler = getattr(self.accelerator, "scaler", None)
-            if scaler is not None and "scaler.pt" in loaded:
-                scaler.load_state_dict(loaded["scaler.pt"])
+            if scaler is not None and fmt.SCALER in loaded:
+                scaler.load_state_dict(loaded[fmt.SCALER])
             for name, obj in self.state.stateful.items():
                 if name in trainer["stateful"]:
                     obj.load_state_dict(trainer["stateful"][name])
@@ -243,16 +243,16 @@ class CheckpointManager:
         new_best = self._pending_best if "best" in reasons else None
         self._pending_best = None
         job = self._stage(step, epoch, batch, reasons, new_best, self.dir, self.asynchronous)
-        failed = self._write_shards(job, commit.make_tmp(job, self.accelerator))
+        failed = self._write_shards(job, save.make_tmp(job, self.accelerator))
         if new_best is not None:
             self.best = new_best
         self._last_saved_step = step
         if self.asynchronous:
             if failed is not None:  # no barrier follows: the other ranks write in background
                 shutil.rmtree(job.tmp, ignore_errors=True)
-                raise commit.write_error(job, failed)
+                raise save.write_error(job, failed)
             self._in_flight = job
-            async_save.start(
+            save.start(
                 job,
                 lambda j: self._write(j, None, sync=False),
                 announce=self.accelerator.is_main_process,
@@ -270,7 +270,7 @@ class CheckpointManager:
         no best, no change to what ``maybe_save`` and ``finish`` decide."""
         job = self._stage(step, 0, 0, ["preflight"], None, Path(directory), False)
         job.prune = False
-        failed = self._write_shards(job, commit.make_tmp(job, self.accelerator))
+        failed = self._write_shards(job, save.make_tmp(job, self.accelerator))
         self._write(job, failed, sync=True)
         self.accelerator.wait_for_everyone()
         return job.final
@@ -281,7 +281,7 @@ class CheckpointManager:
         job, self._in_flight = self._in_flight, None
         if job is None:
             return
-        error = async_save.join(job)
+        error = save.join(job)
         if isinstance(error, CheckpointError):
             raise error
         if error is not None:
@@ -297,14 +297,14 @@ class CheckpointManager:
         new_best: dict | None,
         root: Path,
         asynchronous: bool,
-    ) -> async_save.SaveJob:
+    ) -> save.SaveJob:
         """Everything a checkpoint holds, taken now: tensors (main process:
         model, optimizer; copied when async) and small files as bytes. In the
         main thread on every rank: FSDP gathers the state here (collectives)."""
         acc = self.accelerator
         name = folder.checkpoint_name(step)
         best = new_best or self.best
-        blobs = {f"rng_rank{acc.process_index}.pt": fmt.torch_bytes(rng_state())}
+        blobs = {fmt.rng_file(acc.process_index): save.torch_bytes(rng_state())}
         # full: gathered (collectives under FSDP); sharded: this rank's live shards
         tensors, shards, extra = full_state.take(
             self.layout, acc, self.state.model, self.state.optimizer
@@ -312,7 +312,7 @@ class CheckpointManager:
         blobs.update(extra)
         if acc.is_main_process:
             blobs.update(self._small_files(step, epoch, batch, best))
-        job = async_save.SaveJob(
+        job = save.SaveJob(
             name=name,
             step=step,
             root=root,
@@ -370,21 +370,21 @@ class CheckpointManager:
         }
         if self.agreement is not None:
             trainer_state["loss_guard"] = self.agreement.guard.state_dict()
-        blobs = {"scheduler.pt": fmt.torch_bytes(self.state.scheduler.state_dict())}
+        blobs = {fmt.SCHEDULER: save.torch_bytes(self.state.scheduler.state_dict())}
         for name, tensors in tensor_extras.items():
-            blobs[f"{name}.safetensors"] = save_safetensors(fmt.unshared(tensors))
+            blobs[f"{name}.safetensors"] = save_safetensors(save.unshared(tensors))
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None:
-            blobs["scaler.pt"] = fmt.torch_bytes(scaler.state_dict())
-        blobs["trainer_state.json"] = (json.dumps(trainer_state, indent=2) + "\n").encode()
-        blobs["config.json"] = (json.dumps(self.config, indent=2) + "\n").encode()
+            blobs[fmt.SCALER] = save.torch_bytes(scaler.state_dict())
+        blobs[fmt.TRAINER_STATE] = (json.dumps(trainer_state, indent=2) + "\n").encode()
+        blobs[fmt.CONFIG] = (json.dumps(self.config, indent=2) + "\n").encode()
         return blobs
 
-    def _write_shards(self, job: async_save.SaveJob, failed: OSError | None) -> OSError | None:
+    def _write_shards(self, job: save.SaveJob, failed: OSError | None) -> OSError | None:
         """Sharded: every rank writes its shards now (main thread, collectives;
         with ``checkpoint.async`` too: the background does hashing and commit)."""
         return sharded.write_job(job, failed, self.accelerator.process_index)
 
-    def _write(self, job: async_save.SaveJob, failed: OSError | None, sync: bool) -> None:
+    def _write(self, job: save.SaveJob, failed: OSError | None, sync: bool) -> None:
         keep_last = int(self.ck.get("keep_last", 3))
-        commit.write_and_commit(job, self.accelerator, failed, sync, self.timeout_s, keep_last)
+        save.write_and_commit(job, self.accelerator, failed, sync, self.timeout_s, keep_last)

@@ -37,7 +37,7 @@ class ResumePlan:
     @property
     def trainer(self) -> dict[str, Any]:
         """trainer_state.json: step, epoch, batch, best, stateful extras, run ids."""
-        return self.files.get("trainer_state.json") or {}
+        return self.files.get(fmt.TRAINER_STATE) or {}
 
     @property
     def step(self) -> int:
@@ -54,7 +54,7 @@ class ResumePlan:
 
     @property
     def rng_file(self) -> str:
-        return next(n for n in self.files if n.startswith("rng_rank"))
+        return next(n for n in self.files if n.startswith(fmt.RNG_PREFIX))
 
 
 def verify(ckpt: Path, *, config: dict[str, Any], accelerator: Any) -> tuple[dict, dict]:
@@ -65,11 +65,11 @@ def verify(ckpt: Path, *, config: dict[str, Any], accelerator: Any) -> tuple[dic
     manifest = fmt.read_manifest(ckpt)
     saved_world = int(manifest.get("world_size", 1))
     # a rank beyond the saved world continues one saved rank's RNG streams
-    rng_name = f"rng_rank{accelerator.process_index % saved_world}.pt"
-    names = [n for n in manifest["files"] if not n.startswith("rng_rank")] + [rng_name]
+    rng_name = fmt.rng_file(accelerator.process_index % saved_world)
+    names = [n for n in manifest["files"] if not n.startswith(fmt.RNG_PREFIX)] + [rng_name]
     files = fmt.verify_files(ckpt, names, parse=sharded.parse)  # every shard, every rank
     allowed = allowed_config_changes(config)
-    diffs = config_differences(files["config.json"], config, allowed)
+    diffs = config_differences(files[fmt.CONFIG], config, allowed)
     if diffs:
         raise ConfigMismatch(
             f"cannot resume from {ckpt}: the config differs in keys that change the "

@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from .. import upstream
-from . import full_state, ties
+from . import format as fmt
+from . import full_state, save, ties
 from .format import SHARD_DIRS, CheckpointError
 
 MODEL_DIR, OPTIMIZER_DIR = SHARD_DIRS
-OPTIMIZER_GROUPS = "optimizer_groups.json"
 # The files DCP's safetensors writer names for rank r (its shard index is r + 1).
 SHARD_NAME = "shard-{index:05d}-model-00001-of-00001.safetensors"
 
@@ -93,7 +93,7 @@ def write(tmp: Path, model_sd: dict[str, Any], optim_tensors: dict[str, Any], st
         except CheckpointException as err:
             raise write_failure(directory, err) from err
         if directory == MODEL_DIR:
-            fmt.pause_point("between_files", step)
+            save.pause_point("between_files", step)
 
 
 def write_failure(directory: str, err: Any) -> OSError | CheckpointError:
@@ -112,8 +112,8 @@ def write_job(
     job: Any, failed: OSError | CheckpointError | None, rank: int
 ) -> OSError | CheckpointError | None:
     """Every rank writes a save job's shards (``job.shards``) into ``job.tmp``,
-    then notes the files it wrote (``job.own_files``, hashed by commit.py).
-    Returns the first error instead of raising, as ``commit.make_tmp`` does."""
+    then notes the files it wrote (``job.own_files``, hashed by save.py).
+    Returns the first error instead of raising, as ``save.make_tmp`` does."""
     if job.shards is None or failed is not None:
         return failed
     if not job.tmp.is_dir():  # the main process failed to make it: every rank skips
@@ -200,6 +200,6 @@ def full_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     with tempfile.TemporaryDirectory() as folder:
-        whole = Path(folder) / "model.safetensors"
+        whole = Path(folder) / fmt.MODEL
         consolidate(ckpt, whole)
         return load_file(whole)

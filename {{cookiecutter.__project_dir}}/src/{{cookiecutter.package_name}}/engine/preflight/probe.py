@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 from ... import task
 from ..agreement import StepAgreement
 from ..checkpoint import CheckpointError, CheckpointManager
+from ..checkpoint import format as fmt
 from ..nonfinite import LossGuard
 from ..preemption import StopSignals
 from ..state import TrainState, optimizer_step, rng_state
@@ -107,7 +108,7 @@ def round_trip_and_timing(
             result.weights_bytes = sum(  # model.safetensors, or the model/ shards
                 p.stat().st_size
                 for p in files
-                if p.name == "model.safetensors" or p.parent.name == "model"
+                if p.name == fmt.MODEL or p.parent.name == "model"
             )
         except CheckpointError as err:
             if world > 1:
