@@ -295,13 +295,14 @@ def _spawn(fn: Callable[[DictConfig, Path], Any], cfg: DictConfig, run_dir: Path
 
 def _first_failure(err: Any) -> tuple[int, Any]:
     """The rank that failed first: the earliest (elastic's timestamps are whole
-    seconds) and, among ties, one killed by a signal or that found a hang, before
-    the ranks that then failed waiting for it."""
+    seconds) and, among ties, one that found a hang (its message names the ranks
+    that stopped) or was killed by a signal, before the ranks that then failed
+    waiting for it."""
     from .watchdog import EXIT_HANG
 
     def order(item: tuple[int, Any]) -> tuple:
         rank, failure = item
-        return (failure.timestamp, failure.exitcode >= 0, failure.exitcode != EXIT_HANG, rank)
+        return (failure.timestamp, failure.exitcode != EXIT_HANG, failure.exitcode >= 0, rank)
 
     return min(err.failures.items(), key=order)
 

@@ -284,6 +284,7 @@ class Watchdog:
             (self.folder / f"report_rank{self.rank}.json").write_text(json.dumps(report))
         log.error(message)
         _record_for_the_launcher(message)
+        _end_stopped_siblings({r: beats[r] for r in stalled if r in beats}, now, stale_s)
         for handler in logging.getLogger().handlers:
             with contextlib.suppress(Exception):
                 handler.flush()
@@ -312,6 +313,29 @@ def _record_for_the_launcher(message: str) -> None:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
         ErrorHandler().record_exception(HangDetected(message))
+
+
+def _end_stopped_siblings(beats: Mapping[int, dict], now: float, stale_s: float) -> None:
+    """SIGKILL the stalled ranks that are this rank's siblings (same host, same
+    launcher) and whose watchdog no longer beats: a stopped process ignores the
+    launcher's SIGTERM, which then waits 30 s before its SIGKILL. The pid read
+    from a heartbeat is only signalled when /proc says that it is a sibling."""
+    import signal
+
+    for beat in beats.values():
+        pid = beat.get("pid")
+        if not isinstance(pid, int) or pid == os.getpid() or pid <= 1:
+            continue
+        if beat.get("host") != socket.gethostname():
+            continue
+        if now - float(beat.get("alive_at", now)) <= stale_s:
+            continue
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) == os.getppid():
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
+            continue
 
 
 class HangDetected(RuntimeError):
