@@ -54,6 +54,14 @@ def finished(proc: subprocess.Popen, run_dir: Path, timeout: float = 300) -> str
     return out
 
 
+def alive(pid: int) -> bool:
+    """Running (a zombie, waiting for its reaper, is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def workers(launcher: subprocess.Popen) -> list[int]:
     """The launcher's spawned workers, in rank order (spawned in that order)."""
     found = []
@@ -169,3 +177,44 @@ def test_restarts_exhausted_exit_non_zero_with_the_history(tmp_path):
     (entry,) = summary["recoveries"]
     assert entry["attempt"] == 0 and entry["ranks"] == [1] and entry["cause"] == "exit code 1"
     assert entry["resumed_from_step"] == 0  # no checkpoint yet: a fresh start
+
+
+def test_torchrun_workers_die_with_their_torchrun(tmp_path):
+    """torchrun starts each worker in a session of its own: a kill -9 of torchrun
+    must still end them (a parent-death signal), not leave a half-group training."""
+    run_dir = tmp_path / "run"
+    torchrun = [
+        str(Path(sys.executable).parent / "torchrun"),
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+    ]
+    args = ["parallel=ddp", "model._target_=tests.faults.Slow", "trainer.max_steps=100000"]
+    cmd = [*torchrun, TRAIN, ONE_PROCESS, *args, "preflight=off", f"hydra.run.dir={run_dir}"]
+    out = subprocess.DEVNULL
+    launcher = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=ENV, stdout=out, stderr=out)
+    try:
+        logs = [run_dir / "train.log", run_dir / "train_rank1.log"]
+        deadline = time.monotonic() + 180
+        while not all(p.exists() and "parameters" in p.read_text() for p in logs):
+            assert time.monotonic() < deadline, "the workers did not start training"
+            time.sleep(0.2)
+        kids = [p for p in Path("/proc").iterdir() if p.name.isdigit()]
+        pids = []
+        for proc in kids:
+            try:
+                parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if parent == launcher.pid and b"train.py" in (proc / "cmdline").read_bytes():
+                    pids.append(int(proc.name))
+            except OSError:
+                continue
+        assert len(pids) == 2, pids
+        launcher.kill()
+        launcher.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in pids if alive(pid)]
+    finally:
+        launcher.kill()
+        launcher.wait()
