@@ -8,10 +8,14 @@ each phase its own budget:
 - a step: ``max(step_floor_s, step_factor x p95 of this attempt's step times)``;
 - an evaluation / a checkpoint save: ``max(floor, 3 x the longest one measured)``.
 
-When the budget of the phase it is in runs out, the rank writes every thread's
-Python stack to ``run_dir/hangs/<attempt>/rank<r>.txt`` (on NCCL also the flight
-recorder's dump), logs one line naming the ranks that made no progress and where
-they stopped, and exits with ``EXIT_HANG``: the launcher ends the group (and with
+An evaluation or a save that waits longer than a step's budget while a peer's
+heartbeat (below) has stopped for as long is a hang too: a stopped or dead peer is
+found within the step budget whatever the phase.
+
+When a budget runs out, the rank writes every thread's Python stack to
+``run_dir/hangs/<attempt>/rank<r>.txt`` (on NCCL also the flight recorder's dump),
+logs one line naming the ranks that made no progress and where they stopped, and
+exits with ``EXIT_HANG``: the launcher ends the group (and with
 ``parallel.max_restarts``, restarts it from the last checkpoint).
 
 Which ranks stopped: a rank that is stopped (SIGSTOP), dead, or stuck holding the
@@ -222,6 +226,20 @@ class Watchdog:
             budget = self.budget(phase)
             if waited > budget and not self._stop.is_set():
                 self._fire(phase, step, waited, budget)
+            # A long phase (an evaluation, a save) waiting on a peer that is gone: its
+            # heartbeat stopped a step budget ago. Read only then (files, not every poll).
+            step_budget = self.budget("step")
+            if phase in self.floors and waited > step_budget and self._peer_gone(step_budget):
+                self._fire(phase, step, waited, step_budget)
+
+    def _peer_gone(self, for_s: float) -> bool:
+        now = time.time()
+        beats = read_beats(self.folder)
+        return any(
+            now - float(beats[r].get("alive_at", now)) > for_s
+            for r in range(self.world_size)
+            if r != self.rank and r in beats
+        )
 
     def _beat(self) -> None:
         phase, _, since_wall, step = self._where
