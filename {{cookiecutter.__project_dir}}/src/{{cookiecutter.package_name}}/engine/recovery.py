@@ -58,8 +58,11 @@ def restartable(exit_code: int, run_dir: Path, number: int) -> bool:
 
 
 def note_failure(run_dir: Path, number: int, *, rank: int, exit_code: int, message: str) -> None:
-    """The launcher's note of how attempt ``number`` failed (the first failure)."""
+    """The launcher's note of how attempt ``number`` failed (the first failure). A
+    launch's first attempt that never reached the loop leaves the run dir as it was."""
     folder = attempt_dir(run_dir, number)
+    if number == 0 and not read_beats(folder):
+        return
     with contextlib.suppress(OSError):
         folder.mkdir(parents=True, exist_ok=True)
         note = {"rank": rank, "cause": cause_of(exit_code), "at": time.time()}
