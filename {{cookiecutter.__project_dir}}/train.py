@@ -60,6 +60,7 @@ from {{ cookiecutter.package_name }}.engine.preemption import StopSignals, Train
 from {{ cookiecutter.package_name }}.engine.preflight import PreflightFailed, run_preflight
 from {{ cookiecutter.package_name }}.engine.progress import Progress, RunClock
 from {{ cookiecutter.package_name }}.engine.pruning import TrialPruned, TrialReporter
+from {{ cookiecutter.package_name }}.engine.recovery import history, note_recovery
 from {{ cookiecutter.package_name }}.engine.run_dir import (
     check_run_name,
     check_shared_storage,
@@ -79,6 +80,7 @@ from {{ cookiecutter.package_name }}.engine.tracking import (
     start_trackers,
     watch_model,
 )
+from {{ cookiecutter.package_name }}.engine.watchdog import Watchdog
 
 log = logging.getLogger("train")
 PROJECT_ROOT = Path(__file__).resolve().parent  # runs_root's default: <project root>/runs
@@ -213,6 +215,8 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
     )
     start_at = ckpt.restore(resume)  # step/epoch/batch 0 unless resuming; every state
     step, epoch = start_at.step, start_at.epoch
+    # a group restarted in the job (parallel.max_restarts): what failed, what it cost
+    note_recovery(run_dir, resume, accelerator)
     # -m hparams_search=optuna: this job's trial, told every evaluation (else a no-op)
     trial = TrialReporter.from_config(
         cfg.get("optuna_trial"), accelerator=accelerator, run_dir=run_dir
@@ -244,8 +248,18 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
     grad_norm = torch.zeros(())
     data = None  # the latest batch (its size counts the summary's samples and tokens)
     stop = False  # the ranks agreed that a stop signal came (agreement.at_step)
+    # Hang detection: each phase of the loop (first step, step, eval, save) has a
+    # budget; a rank past it writes its stacks to hangs/, names the ranks that made
+    # no progress and exits 5, and the launcher restarts the group (docs/recovery.md)
+    watchdog = Watchdog(
+        cfg.watchdog,
+        run_dir=run_dir,
+        rank=accelerator.process_index,
+        world_size=accelerator.num_processes,
+    )
     clock.start()
     debug.start()
+    watchdog.start(step)
     model.train()
     for epoch in range(start_at.epoch, plan.max_epochs):
         if step == total_steps or stop or stopper.stopped:
@@ -270,6 +284,7 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
             scheduler.step()
             ema.update(model)
             step = state.advance(epoch, batch)  # TrainState keeps where training is
+            watchdog.step(step)
             progress.advance()
             debug.step()
 
@@ -298,7 +313,7 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
             stop = agreement.at_step(step)
 
             if step % eval_every == 0 or step == total_steps:
-                with clock.excluded("eval"):
+                with clock.excluded("eval"), watchdog.phase("eval"):
                     metrics = task.evaluate(model=model, loader=val_loader, accelerator=accelerator)
                     metrics |= ema.evaluate(loader=val_loader, accelerator=accelerator)
                 book.update(metrics, step, require_monitor=True)
@@ -307,7 +322,7 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
                 stopper.observe(step)  # trainer.early_stopping: patience runs out?
 
             # every N steps/epochs, a new best, after a stop signal
-            with clock.excluded("ckpt_blocking"):
+            with clock.excluded("ckpt_blocking"), watchdog.phase("save"):
                 ckpt.maybe_save(metrics=book.last, stop=stop)
             trial.report_and_check(step, book)  # Optuna pruning: raises TrialPruned (saved first)
             if step == total_steps or stop or stopper.stopped:
@@ -315,8 +330,9 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
     debug.finish()
     progress.close()
     stop = agreement.at_step(step, final=True)  # every rank agrees on how the loop ended
-    with clock.excluded("ckpt_blocking"):
+    with clock.excluded("ckpt_blocking"), watchdog.phase("save"):
         ckpt.finish(metrics=book.last, stop=stop)  # the last checkpoint
+    watchdog.close()
     signals.finish(stopped=stop, saved=ckpt.last_saved)  # a stop: exit (SLURM: requeue)
 
     # --- summary and final weights -----------------------------------------------------
@@ -334,6 +350,7 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
         "best": book.best(),
         "resumed_from": ckpt.resumed_from,  # null for a fresh start
         "skipped_nan_steps": guard.skipped,
+        "recoveries": history(run_dir),  # in-job restarts of this launch (recovery.py)
         **fine_tuned,  # checkpoint.init_from: the source and the keys that did not fit
         **stopper.summary(),  # trainer.early_stopping: whether, when and why it stopped
     }

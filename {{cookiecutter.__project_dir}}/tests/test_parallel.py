@@ -203,7 +203,9 @@ def test_node_local_run_dirs_stop_before_training_with_the_reason(tmp_path):
 
 def test_a_failing_rank_fails_the_run_with_its_traceback(tmp_path):
     start = time.monotonic()
-    proc = run(tmp_path, "parallel=ddp", "model._target_=tests.faults.FailsOnRank1", *FAST)
+    # no in-job restarts here (test_recovery.py has them): the first failure ends the run
+    args = ["model._target_=tests.faults.FailsOnRank1", "parallel.max_restarts=0", *FAST]
+    proc = run(tmp_path, "parallel=ddp", *args)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1
     assert "rank 1 failed" in out

@@ -83,6 +83,12 @@ def build_accelerator(cfg: DictConfig, run_dir: Path) -> Accelerator:
     if why and accelerator.is_main_process:  # trainer.mixed_precision=auto: say what it chose
         log.info(f"trainer.mixed_precision=auto: {precision} ({why})")
     upstream.cache_lomo_check()  # asked on every step by accelerate's optimizer wrapper
+    if p.mode != "none":
+        # accelerate passes on only the InitProcessGroupKwargs that differ from its
+        # defaults (backend nccl, 600 s): timeout_s=600 on gloo was dropped and
+        # torch's gloo default, 1800 s, applied (measured: a stopped rank went
+        # unnoticed for 1444 s). Set it on the process group itself.
+        set_collective_timeout(p.timeout_s)
     if fsdp_plugin is not None and accelerator.distributed_type != DistributedType.FSDP:
         _use_fsdp_where_accelerate_does_not(accelerator, fsdp_plugin)
     wanted = {"fsdp": DistributedType.FSDP, "deepspeed": DistributedType.DEEPSPEED}.get(p.mode)
@@ -107,6 +113,23 @@ def build_accelerator(cfg: DictConfig, run_dir: Path) -> Accelerator:
             "accelerate has no fp16 autocast); use 'bf16' or 'no'"
         )
     return accelerator
+
+
+def collective_timeout() -> timedelta | None:
+    """The timeout of the default process group's collectives (None: no group)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    group = torch.distributed.group.WORLD
+    device = "cuda" if torch.device("cuda") in group._device_types else "cpu"
+    return group._get_backend(torch.device(device)).options._timeout
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Every collective of the default process group waits ``seconds`` at most."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(timedelta(seconds=float(seconds)))
 
 
 def resolve_precision(requested: str | bool, on_cpu: bool) -> tuple[str, str]:

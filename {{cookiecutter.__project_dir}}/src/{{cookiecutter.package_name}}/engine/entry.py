@@ -3,7 +3,8 @@
 Exit codes (docs/trust.md): 0 done (or nothing to do), 1 a failure (a crash, a
 failed preflight, no valid checkpoint, a rank that failed), 2 bad input (a value,
 a key, an option, a file, a run dir: one message naming it and what is allowed,
-and nothing left on disk), 3 a non-finite loss, 4 an Optuna trial pruned, 128 + N
+and nothing left on disk), 3 a non-finite loss, 4 an Optuna trial pruned, 5 a hang
+found by a rank's watchdog (docs/recovery.md), 128 + N
 stopped by signal N after saving (143 SIGTERM, 138 SIGUSR1, 140 SIGUSR2, 130 Ctrl-C).
 
 Hydra reports its own command-line errors (a key that does not exist, an option

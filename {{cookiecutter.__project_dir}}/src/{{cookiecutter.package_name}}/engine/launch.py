@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from . import recovery
 from .config import ConfigError
 from .trust import literal
 
@@ -184,6 +185,11 @@ def adopt_pet_env(parallel: DictConfig, env: Mapping[str, str] = os.environ) -> 
 def run(fn: Callable[[DictConfig, Path], Any], cfg: DictConfig, run_dir: Path) -> Any:
     """``fn(cfg, run_dir)`` on every process the config asks for; rank 0's result."""
     adopt_slurm_ranks()
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun (and accelerate launch, which runs it) starts each worker in a
+        # session of its own: without this, a killed torchrun leaves its workers
+        # training with the other nodes' (the self-spawned workers do it in _worker).
+        _die_with_parent()
     if under_launcher() or expected_world_size(cfg.parallel) == 1:
         return fn(cfg, run_dir)
     if slurm_task_count() == 1:
@@ -215,20 +221,6 @@ def _spawn(fn: Callable[[DictConfig, Path], Any], cfg: DictConfig, run_dir: Path
             "rdzv_endpoint": f"{p.master_addr}:{p.master_port}",
             "rdzv_configs": {"rank": p.node_rank},
         }
-    config = LaunchConfig(
-        min_nodes=p.num_nodes,
-        max_nodes=p.num_nodes,
-        nproc_per_node=nproc,
-        # Every node must present the same id (the static store is keyed by it).
-        run_id=uuid.uuid4().hex if p.num_nodes == 1 else f"{cfg.project}-{p.master_port}",
-        max_restarts=0,  # a failed rank fails the run; resuming is the checkpoint's job
-        start_method="spawn",
-        monitor_interval=0.1,
-        # The workers' error files go to a folder of the launch's own, not the run dir:
-        # a launch that fails before its first step must leave a new run dir empty.
-        logs_specs=DefaultLogsSpecs(log_dir=elastic_logs),
-        **rdzv,
-    )
     no_gpus = p.num_processes == "auto" and not torch.cuda.device_count()
     log.info(
         f"starting {nproc} {p.mode} workers on node {p.node_rank} of {p.num_nodes} "
@@ -239,16 +231,55 @@ def _spawn(fn: Callable[[DictConfig, Path], Any], cfg: DictConfig, run_dir: Path
     # The agent logs each worker exit with a traceback of its own internals;
     # the LaunchError below reports the failing rank's own error instead.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    # In-job recovery (docs/recovery.md): a failed group is started again, and resumes
+    # from the last verified checkpoint, up to parallel.max_restarts times. The loop is
+    # ours rather than the agent's own max_restarts: the agent restarts on any exit,
+    # a deliberate stop (SIGTERM: saved, exit 143) and a bad config included, and
+    # tells no one which rank failed and how; here both are known between attempts.
+    max_restarts = int(p.get("max_restarts", 0))
+    main = p.node_rank == 0  # node 0's launcher writes the run dir's notes
     try:
-        results = elastic_launch(config, _worker)(fn, container, str(run_dir))
-    except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
-        code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
-        details = failure.message  # a dict from record()'s error file, else a string
-        if isinstance(details, dict):  # a traceback for crashes, one line for known stops
-            trace = details.get("extraInfo", {}).get("py_callstack")
-            details = trace if code == 1 and trace else details.get("message")
-        raise LaunchError(f"rank {rank} failed (exit code {code}): {details}", code) from None
+        for number in range(max_restarts + 1):
+            config = LaunchConfig(
+                min_nodes=p.num_nodes,
+                max_nodes=p.num_nodes,
+                nproc_per_node=nproc,
+                # Every node must present the same id (the static store is keyed by it).
+                run_id=uuid.uuid4().hex
+                if p.num_nodes == 1
+                else f"{cfg.project}-{p.master_port}-{number}",
+                max_restarts=0,  # restarts: the loop around this launch
+                start_method="spawn",
+                monitor_interval=0.1,
+                # The workers' error files go to a folder of the launch's own, not the run
+                # dir: a launch that fails before its first step must leave a new run dir empty.
+                logs_specs=DefaultLogsSpecs(log_dir=tempfile.mkdtemp(dir=elastic_logs)),
+                **rdzv,
+            )
+            if main:
+                recovery.clear_failure(run_dir, number)
+            try:
+                results = elastic_launch(config, _worker)(fn, container, str(run_dir), number)
+                return results[min(results)]
+            except ChildFailedError as err:
+                rank, failure = _first_failure(err)
+                code = recovery.exit_status(failure.exitcode)
+                message = _failure_message(rank, failure)
+                again = number < max_restarts and recovery.restartable(
+                    failure.exitcode, run_dir, number
+                )
+                if main:
+                    recovery.note_failure(
+                        run_dir, number, rank=rank, exit_code=failure.exitcode, message=message
+                    )
+                if not again:
+                    if main and number > 0:  # the history of this launch's restarts
+                        recovery.write_failed_summary(run_dir, number, message)
+                    raise LaunchError(message, code) from None
+                log.warning(
+                    f"{message.splitlines()[0][:300]}\nattempt {number} failed: restarting the "
+                    f"group from the last checkpoint (restart {number + 1} of {max_restarts})"
+                )
     except SignalException as err:
         # The agent passed the signal on to the workers and waited for them: with
         # checkpoint.save_on_signal they saved at a step boundary before exiting.
@@ -259,14 +290,42 @@ def _spawn(fn: Callable[[DictConfig, Path], Any], cfg: DictConfig, run_dir: Path
         ) from None
     finally:
         shutil.rmtree(elastic_logs, ignore_errors=True)
-    return results[min(results)]
+    raise AssertionError("unreachable")  # the loop returns or raises
 
 
-def _worker(fn: Callable[[DictConfig, Path], Any], container: dict, run_dir: str) -> Any:
-    """Entry point of a spawned worker: the resolved config, never Hydra again."""
+def _first_failure(err: Any) -> tuple[int, Any]:
+    """The rank that failed first: the earliest (elastic's timestamps are whole
+    seconds) and, among ties, one that found a hang (its message names the ranks
+    that stopped) or was killed by a signal, before the ranks that then failed
+    waiting for it."""
+    from .watchdog import EXIT_HANG
+
+    def order(item: tuple[int, Any]) -> tuple:
+        rank, failure = item
+        return (failure.timestamp, failure.exitcode != EXIT_HANG, failure.exitcode >= 0, rank)
+
+    return min(err.failures.items(), key=order)
+
+
+def _failure_message(rank: int, failure: Any) -> str:
+    code = recovery.exit_status(failure.exitcode)
+    details = failure.message  # a dict from record()'s error file, else a string
+    if isinstance(details, dict):  # a traceback for crashes, one line for known stops
+        trace = details.get("extraInfo", {}).get("py_callstack")
+        details = trace if code == 1 and trace else details.get("message")
+    cause = recovery.cause_of(failure.exitcode)
+    return f"rank {rank} failed first ({cause}, exit code {code}): {details}"
+
+
+def _worker(
+    fn: Callable[[DictConfig, Path], Any], container: dict, run_dir: str, number: int = 0
+) -> Any:
+    """Entry point of a spawned worker: the resolved config, never Hydra again;
+    ``number``: the attempt (0, then one more per in-job restart)."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
     _die_with_parent()
+    os.environ["TRAIN_ATTEMPT"] = str(number)  # watchdog.attempt()
     cfg = OmegaConf.create(literal(container))  # resolved already: a ``${`` left is text
     OmegaConf.set_struct(cfg, True)
     try:

@@ -67,6 +67,8 @@ def job_row(job_dir: Path, sweep_dir: Path) -> dict[str, Any]:
     row: dict[str, Any] = {"job": str(job_dir.relative_to(sweep_dir)), "overrides": overrides}
     status = _read_json(job_dir / STATUS_FILE) or {}
     summary = _read_json(job_dir / "summary.json")
+    if summary and not isinstance(summary.get("best"), dict):
+        summary = None  # a failed run's history (in-job restarts used up): no result
     config = _read_json(job_dir / "config.json") or {}
     # No status file: the job is still running, or was killed before it could say.
     row["status"] = status.get("status") or ("completed" if summary else "unfinished")
