@@ -187,6 +187,9 @@ def _deepspeed_plugin(cfg: DictConfig) -> DeepSpeedPlugin:
         gradient_accumulation_steps=cfg.trainer.grad_accum_steps,
         # DeepSpeed clips inside its step; train.py's clip_grad_norm_ is then a no-op.
         gradient_clipping=cfg.trainer.grad_clip_norm or 0.0,
+        # ZeRO-3: the engine gathers the full weights (layer by layer, onto the main
+        # process) for model.safetensors and every checkpoint's (full_state.model_state)
+        zero3_save_16bit_model=True,
     )
 
 

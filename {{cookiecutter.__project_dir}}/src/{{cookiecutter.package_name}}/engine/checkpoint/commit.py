@@ -80,7 +80,7 @@ def write_and_commit(
                 if job.own_files is not None:  # the main process gathers every rank's hashes
                     files.update(json.loads(hashes.read_text()))
                     hashes.unlink()
-            for shard_dir in fmt.SHARD_DIRS:  # DCP fsynced the shards, not their folders
+            for shard_dir in fmt.SUBDIRS:  # DCP (DeepSpeed) fsynced the files, not their folders
                 if (job.tmp / shard_dir).is_dir():
                     fmt.fsync_dir(job.tmp / shard_dir)
             fmt.commit(job.tmp, job.final, job.manifest, files)
