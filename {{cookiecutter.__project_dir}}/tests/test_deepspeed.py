@@ -167,10 +167,10 @@ def test_zero2_killed_and_resumed_past_a_corrupt_checkpoint_is_bit_exact(straigh
     run_dir = tmp_path / "killed"
     saved = killed_at(run_dir, 2, "step_0000006")
     newest, previous = saved[-1], saved[-2]
+    one = [a if a != "parallel.num_processes=2" else "parallel.num_processes=1" for a in ARGS]
     # on another number of processes: refused (exit 2) before any work, naming both
     other = subprocess.run(
-        command(*ARGS, "parallel.zero_stage=2", f"hydra.run.dir={run_dir}")[:-1]
-        + ["parallel.num_processes=1", f"hydra.run.dir={run_dir}"],
+        command(*one, "parallel.zero_stage=2", f"hydra.run.dir={run_dir}"),
         cwd=PROJECT_ROOT,
         env=ENV,
         capture_output=True,
