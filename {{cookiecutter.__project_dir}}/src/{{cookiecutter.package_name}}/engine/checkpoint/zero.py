@@ -10,7 +10,7 @@ and the manifest hashing every file, DeepSpeed's included.
 
 Its optimizer files pickle three of DeepSpeed's own types besides tensors.
 They are loaded with ``torch.load(weights_only=True)`` and exactly those three
-allowed (``ALLOWED``): an enum, a dataclass of two integers and the loss
+allowed (``allowed_types``): an enum, a dataclass of two integers and the loss
 scaler, rebuilt as plain attributes, never by running code from the file. Every
 file a rank will load is hashed and unpickled this way before any live object
 is touched (``check``), and DeepSpeed's own load runs under the same rule
@@ -30,18 +30,14 @@ import torch
 from ..config import ConfigError
 from .format import DEEPSPEED_DIR, CheckpointError, fsync_dir, load_tensors_safely
 
-# What DeepSpeed's own files name besides tensors and containers (found by
-# torch.serialization.get_unsafe_globals_in_checkpoint on ZeRO-1/2/3 checkpoints).
-ALLOWED = (
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-)
 # DeepSpeed copies its conversion scripts next to the checkpoint: code, not state.
 _SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 
 def allowed_types() -> list[type]:
+    """What DeepSpeed's own files name besides tensors and containers (found with
+    torch.serialization.get_unsafe_globals_in_checkpoint on ZeRO-2 and ZeRO-3
+    checkpoints, fp32, with and without optimizer offload): nothing else loads."""
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
@@ -52,7 +48,7 @@ def allowed_types() -> list[type]:
 @contextlib.contextmanager
 def weights_only() -> Iterator[None]:
     """Every ``torch.load`` inside (DeepSpeed's too, which asks for
-    ``weights_only=False``) loads weights only, with ``ALLOWED`` besides."""
+    ``weights_only=False``) loads weights only, with ``allowed_types`` besides."""
     before = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     try:
@@ -74,11 +70,11 @@ def loaded_by(name: str, rank: int) -> bool:
     world size: its own partitions (``zero_pp_rank_<rank>_...``) and the files
     of every rank (ZeRO-1/2's ``mp_rank_00_model_states.pt``)."""
     base = name.removeprefix(f"{DEEPSPEED_DIR}/")
-    return base.startswith(f"zero_pp_rank_{rank}_") or not base.startswith("zero_pp_rank_")
+    return f"zero_pp_rank_{rank}_" in base or "zero_pp_rank_" not in base  # bf16_zero_pp_...
 
 
 def check(path: Path) -> None:
-    """Unpickled with weights only and ``ALLOWED``; anything else is refused here,
+    """Unpickled with weights only and ``allowed_types``; anything else is refused here,
     before DeepSpeed opens it (the result is dropped: DeepSpeed loads it itself)."""
     with torch.serialization.safe_globals(allowed_types()):
         load_tensors_safely(path, str(path))
@@ -103,8 +99,8 @@ def write(tmp: Path, engine: Any, rank: int) -> list[Path]:
 
 def writes(name: str, rank: int) -> bool:
     """Which rank owns (fsyncs, hashes) a file: its partitions; rank 0 the shared ones."""
-    partition = name.startswith("zero_pp_rank_")
-    return name.startswith(f"zero_pp_rank_{rank}_") or (rank == 0 and not partition)
+    partition = "zero_pp_rank_" in name  # bf16_zero_pp_rank_... too
+    return f"zero_pp_rank_{rank}_" in name or (rank == 0 and not partition)
 
 
 def write_job(job: Any, failed: Exception | None, engine: Any, rank: int) -> Exception | None:
