@@ -185,7 +185,7 @@ def _local_model_state(model: torch.nn.Module) -> dict[str, Any]:
     partition (``ds_tensor``), since whether its full tensor happens to be
     gathered at the moment (e.g. after DeepSpeed's load) is not what it holds."""
     out: dict[str, Any] = dict(model.state_dict())
-    for name, param in model.named_parameters():
+    for name, param in model.named_parameters(remove_duplicate=False):  # tied: each name
         if hasattr(param, "ds_tensor"):
             out[name] = param.ds_tensor
     return out
