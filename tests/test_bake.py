@@ -61,6 +61,7 @@ DOCS_PAGES = (
     "configuration",
     "data",
     "debug",
+    "deepspeed",
     "development",
     "gpt",
     "hf",
@@ -241,6 +242,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         f"{pkg}/engine/checkpoint/policy.py",
         f"{pkg}/engine/checkpoint/resume.py",
         f"{pkg}/engine/checkpoint/save.py",
+        f"{pkg}/engine/checkpoint/zero.py",
         f"{pkg}/engine/checkpoint/sharded.py",
         f"{pkg}/engine/checkpoint/ties.py",
         f"{pkg}/engine/preflight/__init__.py",
@@ -277,6 +279,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "tests/test_k8s.py",
         "tests/test_pod_contract.py",
         "tests/test_recovery.py",
+        "tests/test_deepspeed.py",
         "tests/data/k8s/LICENSE",
         "tests/data/k8s/README.md",
         "tests/data/k8s/trainer.kubeflow.org_trainjobs.yaml.gz",
@@ -433,9 +436,6 @@ def test_readme_names_the_chosen_defaults(baked, name):
 
 README_MAX_LINES = 300  # the front door: set-up, the commands, the layout, links
 MARKDOWN_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
-# Pages that work on other branches adds (issue 31: recovery; issue 32: DeepSpeed): the
-# README links them already. Once a page is in the bake, the test says to drop it here.
-PAGES_OF_OTHER_WORK = {"docs/deepspeed.md"}
 
 
 def without_code(markdown: str) -> str:
@@ -474,15 +474,11 @@ def test_readme_is_the_front_door_and_every_docs_link_resolves(baked, name):
             rel = file.relative_to(project).as_posix()  # never outside the project
             if page.name == "README.md":
                 from_readme.add(rel)
-            if rel in PAGES_OF_OTHER_WORK and not file.exists():
-                continue
             assert file.is_file(), f"{where} names no file"
             if anchor:
                 assert anchor in heading_ids(file.read_text()), f"{where}: no such heading"
     docs = {p.relative_to(project).as_posix() for p in pages[1:]}
     assert docs <= from_readme, f"not linked from README.md: {sorted(docs - from_readme)}"
-    for rel in PAGES_OF_OTHER_WORK:
-        assert not (project / rel).exists(), f"{rel} is here now: drop it from PAGES_OF_OTHER_WORK"
 
 
 @pytest.mark.parametrize("name", BAKES)

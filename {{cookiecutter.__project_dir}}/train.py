@@ -174,7 +174,8 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
     start_trackers(accelerator, cfg, resume)  # a resume continues the trackers' runs
     watch_model(accelerator, model)  # W&B gradient/parameter histograms (tracker.wandb.watch)
     log.info(
-        f"{sum(p.numel() for p in model.parameters()):,} parameters | "
+        # ZeRO-3 partitions the parameters: ds_numel is the full count
+        f"{sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters()):,} parameters | "
         f"{total_steps} steps ({steps_per_epoch or 'a stream: ?'}/epoch) | "
         f"world size {accelerator.num_processes} "
         f"({accelerator.distributed_type.value})"

@@ -243,3 +243,21 @@ def test_peak_flops_table_and_world_size():
     rates = mfu.metrics(1.0, samples=10**6)  # 1 step/s of 1e6 samples on each of 2 processes
     assert rates["perf/samples_per_sec"] == 2e6
     assert rates["perf/mfu"] == pytest.approx(mfu.flops_per_sample * 2e6 / 2e12)
+
+
+def test_the_disk_check_gives_disk_advice_for_disk_errors_only(tmp_path):
+    """A checkpoint that cannot be written at all fails the disk check; its advice
+    follows the cause save.write_error named (a full disk, or the state itself)."""
+    from {{ cookiecutter.package_name }}.engine.preflight.checks import Check, check_disk
+    from {{ cookiecutter.package_name }}.engine.preflight.probe import RoundTrip, Timing
+
+    failed = Check("checkpoint", "fail", "")
+    causes = {
+        "no space left on device (x). Earlier checkpoints are intact; free disk space": True,
+        "Some tensors share memory. Earlier checkpoints are intact; this is not a disk "
+        "problem: the state itself could not be written in this format": False,
+    }
+    for error, disk in causes.items():
+        check = check_disk(None, tmp_path, 2**30, RoundTrip(failed, Timing(), save_error=error), None)
+        assert check.status == "fail" and error in check.detail
+        assert ("free disk space" in check.fix) is disk, check.fix

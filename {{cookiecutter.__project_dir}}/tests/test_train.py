@@ -230,13 +230,6 @@ def test_deepspeed_without_the_package_says_how_to_install_it(train_run):
     assert "pip install -e '.[deepspeed]'" in run.output
 
 
-def test_deepspeed_with_checkpoints_is_refused_before_any_work(train_run):
-    run = train_run(*FAST, "parallel=deepspeed", check=False)
-    assert run.proc.returncode == 2
-    assert "parallel=deepspeed with checkpoint.enabled=true is not supported" in run.output
-    assert not (run.run_dir / "checkpoints").exists()
-
-
 @pytest.mark.slow
 @pytest.mark.ci
 def test_default_run_reaches_95_percent(train_run):

@@ -2,6 +2,7 @@
 accumulation, trackers; and refuse the silent fallbacks accelerate allows."""
 
 import hashlib
+import os
 import logging
 from datetime import timedelta
 from pathlib import Path
@@ -49,12 +50,16 @@ def build_accelerator(cfg: DictConfig, run_dir: Path) -> Accelerator:
     precision, why = resolve_precision(cfg.trainer.mixed_precision, on_cpu)
     fsdp_plugin = _fsdp_plugin(p, on_cpu, precision) if p.mode == "fsdp" else None
     deepspeed_plugin = _deepspeed_plugin(cfg) if p.mode == "deepspeed" else None
-    if fsdp_plugin is not None and not under_launcher() and expected_world_size(p) == 1:
-        # FSDP on one process (CPU offload on one GPU; a run resumed on one process):
-        # fully_shard and DCP need a process group, which accelerate makes for 2+ only.
-        # Ours, then: accelerate, given no backend, sees one process of rank 0.
+    one_process = not under_launcher() and expected_world_size(p) == 1
+    if (fsdp_plugin or deepspeed_plugin) is not None and one_process:
+        # FSDP or DeepSpeed on one process (CPU offload on one GPU; a run resumed on one
+        # process): fully_shard, DCP and DeepSpeed's engine need a process group, which
+        # accelerate makes for 2+ only. Ours, then: accelerate, given no backend, sees
+        # one process of rank 0.
         fsdp.one_process_group(backend, p.timeout_s)
         handlers = handlers[1:]
+        if deepspeed_plugin is not None:  # DeepSpeed's engine asks for a launcher's variable
+            os.environ.setdefault("LOCAL_RANK", "0")
     accelerator = Accelerator(
         # Without cpu=True on a machine without GPUs, accelerate ignores the
         # launcher and every process becomes an independent rank 0. DeepSpeed is
@@ -210,6 +215,9 @@ def _deepspeed_plugin(cfg: DictConfig) -> DeepSpeedPlugin:
         gradient_accumulation_steps=cfg.trainer.grad_accum_steps,
         # DeepSpeed clips inside its step; train.py's clip_grad_norm_ is then a no-op.
         gradient_clipping=cfg.trainer.grad_clip_norm or 0.0,
+        # ZeRO-3: the engine gathers the full weights (layer by layer, onto the main
+        # process) for model.safetensors and every checkpoint's (full_state.model_state)
+        zero3_save_16bit_model=True,
     )
 
 

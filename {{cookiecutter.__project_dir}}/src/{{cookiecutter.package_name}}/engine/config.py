@@ -390,14 +390,6 @@ def check_config(cfg: DictConfig) -> None:
     problems += _missing_paths(cfg.get("data") or {}, "data")
     if cfg.preflight.get("only", False) and not cfg.preflight.get("enabled", False):
         problems.append("preflight.only=true with preflight=off: use preflight=default")
-    if cfg.parallel.mode == "deepspeed" and cfg.checkpoint.get("enabled", False):
-        # DeepSpeed's optimizer state holds Python objects (enums, loss-scaler
-        # state) that torch.load(weights_only=True) refuses: no safe resume.
-        problems.append(
-            "parallel=deepspeed with checkpoint.enabled=true is not supported: DeepSpeed's "
-            "optimizer state cannot be loaded safely (weights_only). Use checkpoint=none "
-            "with deepspeed, or parallel=fsdp for sharded training with checkpoints"
-        )
     ema = (cfg.trainer.get("ema") or {}).get("enabled", False)
     if ema is True and cfg.parallel.mode in ("fsdp", "deepspeed"):
         # Their parameters are sharded: an average per rank would be of one shard.

@@ -5,8 +5,10 @@ Writing it is save.py's. No accelerator: unit-testable.
 ``step_0000500/`` holds ``model.safetensors``, ``optimizer.pt``, ``scheduler.pt``
 (``scaler.pt``), ``rng_rank{r}.pt``, ``trainer_state.json``, ``config.json`` and,
 written last, ``MANIFEST.json`` (checksum and size of every file, checksums.py); a
-sharded one (sharded.py) has ``model/`` and ``optimizer/`` shards instead. Nothing is
-unpickled beyond ``torch.load(weights_only=True)``. docs/checkpoints.md.
+sharded one (sharded.py) has ``model/`` and ``optimizer/`` shards instead; a DeepSpeed
+one (zero.py) DeepSpeed's own files in ``deepspeed/`` instead of ``optimizer.pt``.
+Nothing is unpickled beyond ``torch.load(weights_only=True)`` (DeepSpeed's files:
+with zero.py's allowlist of three of its types). docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -67,6 +69,17 @@ REQUIRED_FILES = (MODEL, OPTIMIZER, SCHEDULER, rng_file(0), TRAINER_STATE, CONFI
 # checkpoint.format=sharded (sharded.py): model/ and optimizer/ hold per-rank shards.
 SHARDED_REQUIRED_FILES = (OPTIMIZER_GROUPS, SCHEDULER, rng_file(0), TRAINER_STATE, CONFIG)
 SHARD_DIRS = ("model", "optimizer")
+# parallel=deepspeed (zero.py): DeepSpeed's own files (engine.save_checkpoint) in deepspeed/.
+DEEPSPEED_DIR = "deepspeed"
+DEEPSPEED_REQUIRED_FILES = (
+    "model.safetensors",  # gathered: what eval.py, predict.py and export read
+    "scheduler.pt",
+    "rng_rank0.pt",
+    "trainer_state.json",
+    "config.json",
+)
+SUBDIRS = (*SHARD_DIRS, DEEPSPEED_DIR)  # the only folders a checkpoint may hold
+LAYOUTS = ("full", "sharded", "deepspeed")
 
 
 class CheckpointError(RuntimeError):
@@ -86,7 +99,7 @@ def bad_name(name: str) -> bool:
     """A manifest name that is not a plain file of the checkpoint (or of one of
     its shard folders): refused, so nothing outside the checkpoint is read."""
     parts = name.split("/")
-    if len(parts) > 2 or (len(parts) == 2 and parts[0] not in SHARD_DIRS):
+    if len(parts) > 2 or (len(parts) == 2 and parts[0] not in SUBDIRS):
         return True
     return any(not part or part.startswith(".") for part in parts)
 
@@ -96,7 +109,7 @@ def listing(ckpt: Path) -> list[str]:
     listed, never followed: a symlinked shard folder is one (bad) entry."""
     names = []
     for p in ckpt.iterdir():
-        if p.name in SHARD_DIRS and trust.real_dir(p):
+        if p.name in SUBDIRS and trust.real_dir(p):
             names += [f"{p.name}/{q.name}" for q in p.iterdir()]
         else:
             names.append(p.name)
@@ -131,12 +144,14 @@ def read_manifest(ckpt: Path) -> dict[str, Any]:
         manifest = check_manifest(trust.read_json(path))
     except (trust.Malformed, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"{path}: not a valid manifest ({err})") from err
-    sharded = manifest.get("layout") == "sharded"
-    required = SHARDED_REQUIRED_FILES if sharded else REQUIRED_FILES
+    layout = manifest.get("layout", "full")
+    required = {"sharded": SHARDED_REQUIRED_FILES, "deepspeed": DEEPSPEED_REQUIRED_FILES}
     files = manifest["files"]
-    missing = [name for name in required if name not in files]
-    if sharded and not any(name.startswith("model/") for name in files):
+    missing = [name for name in required.get(layout, REQUIRED_FILES) if name not in files]
+    if layout == "sharded" and not any(name.startswith("model/") for name in files):
         missing.append("model/ shard")
+    if layout == "deepspeed" and not any(name.startswith(f"{DEEPSPEED_DIR}/") for name in files):
+        missing.append(f"{DEEPSPEED_DIR}/ file")
     if missing:
         raise CheckpointError(f"{path}: lists no {', '.join(missing)}")
     return manifest
@@ -157,7 +172,7 @@ def check_manifest(manifest: Any) -> dict[str, Any]:
         _require(_is_count(manifest.get(key, 0)), f"{key} is not an integer >= 0")
     for key in ("world_size", "grad_accum_steps"):
         _require(_is_count(manifest.get(key, 1)) and manifest.get(key, 1) >= 1, f"bad {key}")
-    _require(manifest.get("layout", "full") in ("full", "sharded"), "unknown layout")
+    _require(manifest.get("layout", "full") in LAYOUTS, "unknown layout")
     _require(isinstance(manifest.get("metrics", {}), dict), "metrics is not an object")
     return manifest
 

@@ -2,7 +2,9 @@
 mode: as full tensors (``checkpoint.format: full``; gathered from and scattered
 to FSDP shards: what DDP and single-process runs use), or, for ``sharded``
 (``auto`` under FSDP), each rank's own shards (sharded.py). Both load into any
-world size and parallel mode. Also the run's final ``model.safetensors``. Tied
+world size and parallel mode. Under DeepSpeed (layout ``deepspeed``) its own
+files hold the optimizer and the partitions (zero.py), beside the gathered
+model. Also the run's final ``model.safetensors``. Tied
 parameters are stored once under both layouts and re-tied on load (ties.py).
 docs/checkpoints.md.
 """
@@ -21,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import upstream
 from ..files import fsync_dir, write_durable
 from . import format as fmt
-from . import save, sharded, ties
+from . import save, sharded, ties, zero
 
 
 def take(
@@ -36,6 +38,11 @@ def take(
         model_sd, optim_tensors, plain = sharded.state_dicts(accelerator, model, optimizer)
         extra = {fmt.OPTIMIZER_GROUPS: sharded.optimizer_groups_bytes(plain)} if main else {}
         shards, tensors = (model_sd, optim_tensors), {}
+    elif layout == "deepspeed":  # the optimizer: DeepSpeed's own files (zero.write_job)
+        weights = model_state(accelerator, model)  # gathered on the main process (ZeRO-3)
+        tied = ties.in_state(tied, weights) if main else tied
+        shards, extra = None, {}
+        tensors = {"model.safetensors": ties.drop_aliases(weights, tied)} if main else {}
     else:
         weights = model_state(accelerator, model)  # every name, tied ones too
         tied = ties.in_state(tied, weights)
@@ -58,6 +65,8 @@ def restore(
     """Load a verified checkpoint's model and optimizer (``loaded``: its parsed files)."""
     if layout == "sharded":
         sharded.load(ckpt, accelerator, model, optimizer, loaded[fmt.OPTIMIZER_GROUPS])
+    elif layout == "deepspeed":
+        zero.load(ckpt, model)  # the engine; the world size was checked (resume.verify)
     else:
         weights = ties.restore(loaded[fmt.MODEL], ties.of_checkpoint(loaded, ckpt))
         load_model_and_optimizer(accelerator, model, optimizer, weights, loaded[fmt.OPTIMIZER])
@@ -85,7 +94,11 @@ def plain_model(accelerator: Any, model: torch.nn.Module) -> torch.nn.Module:
 
 
 def model_state(accelerator: Any, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The full model state; a collective under FSDP."""
+    """The full model state; a collective under FSDP and ZeRO-3 (DeepSpeed's
+    16-bit gather, asked of the engine: the main process alone holds the result,
+    gathered one layer at a time; the others get an empty dict)."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return accelerator.get_state_dict(model) or {}  # the engine, unwrapped inside
     return accelerator.get_state_dict(plain_model(accelerator, model), unwrap=False)
 
 
@@ -134,14 +147,12 @@ def save_final_weights(accelerator: Any, model: torch.nn.Module, run_dir: Path) 
     """``run_dir/model.safetensors``: the full model in one file, every name its
     class defines but the aliases of tied weights (stored once, named in the
     metadata: ``ties.load_file`` puts them back), written by the main process and
-    fsynced; a collective under FSDP (gathered). DeepSpeed: accelerate's ``save_model``
-    (ZeRO-3 gathers its own way). Not ``save_model`` otherwise: it unwraps the model
-    through accelerate's ``unwrap_model`` again (see ``plain_model``)."""
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        accelerator.save_model(plain_model(accelerator, model), run_dir)
-        return
+    fsynced; a collective under FSDP and ZeRO-3 (gathered, ``model_state``). Not
+    accelerate's ``save_model``: it unwraps the model through ``unwrap_model`` again
+    (see ``plain_model``)."""
     state = model_state(accelerator, model)
-    tied = ties.in_state(ties.find(plain_model(accelerator, model)), state)
+    tied = ties.find(plain_model(accelerator, model))
+    tied = ties.in_state(tied, state) if accelerator.is_main_process else tied
     metadata = {"format": "pt", **({ties.METADATA_KEY: json.dumps(tied)} if tied else {})}
     if accelerator.is_main_process:  # atomic: a crash leaves the old file or none
         final = Path(run_dir) / fmt.MODEL

@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import DistributedType
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save as save_safetensors
 
 from ..config import ConfigError
 from ..loaders import batches_per_epoch
 from ..state import Position, TrainState, rng_state, set_rng_state
-from . import elastic, folder, full_state, policy, resume, save, sharded
+from . import elastic, folder, full_state, policy, resume, save, sharded, zero
 from . import format as fmt
 from .format import CheckpointError, ConfigMismatch
 from .resume import ResumePlan
@@ -67,11 +68,14 @@ class CheckpointManager:
                 "expected checkpoint.every_n_epochs=null and checkpoint.every_n_steps=N"
             )
         self.batch_size = elastic.per_process_batch(state.train_loader, accelerator.num_processes)
-        # checkpoint.format: auto = sharded under FSDP (no rank gathers the state), else full
+        # checkpoint.format: auto = sharded under FSDP (no rank gathers the state), else
+        # full; DeepSpeed's optimizer is in its own files whatever the format (zero.py)
         layout = str(self.ck.get("format", "auto"))
         self.layout = (
             ("sharded" if accelerator.is_fsdp2 else "full") if layout == "auto" else layout
         )
+        if getattr(accelerator, "distributed_type", None) == DistributedType.DEEPSPEED:
+            self.layout = "deepspeed"
         self.agreement = agreement
         self.book = book  # the MetricBook: which step was a new best of save_best.monitor
         if book is not None:
@@ -381,9 +385,13 @@ class CheckpointManager:
         return blobs
 
     def _write_shards(self, job: save.SaveJob, failed: OSError | None) -> OSError | None:
-        """Sharded: every rank writes its shards now (main thread, collectives;
-        with ``checkpoint.async`` too: the background does hashing and commit)."""
-        return sharded.write_job(job, failed, self.accelerator.process_index)
+        """Sharded and DeepSpeed: every rank writes its shards (DeepSpeed's files) now
+        (main thread, collectives; with ``checkpoint.async`` too: the background does
+        hashing and commit)."""
+        rank = self.accelerator.process_index
+        if self.layout == "deepspeed":
+            return zero.write_job(job, failed, self.state.model, rank)
+        return sharded.write_job(job, failed, rank)
 
     def _write(self, job: save.SaveJob, failed: OSError | None, sync: bool) -> None:
         keep_last = int(self.ck.get("keep_last", 3))

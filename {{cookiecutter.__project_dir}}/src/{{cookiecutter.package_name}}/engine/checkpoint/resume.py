@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import allowed_config_changes, config_differences
-from . import elastic, folder, sharded
+from . import elastic, folder, sharded, zero
 from . import format as fmt
 from .format import CheckpointError, ConfigMismatch
 
@@ -61,13 +61,17 @@ def verify(ckpt: Path, *, config: dict[str, Any], accelerator: Any) -> tuple[dic
     """(manifest, parsed files) of ``ckpt`` as this rank loads it: every file's size
     and checksum against the manifest, the trainer state's shape, and the config
     compared with this run's. CheckpointError for a damaged one; ConfigMismatch
-    for one of a run whose model, data or optimization differ."""
+    for one of a run whose model, data or optimization differ; ConfigError (exit 2)
+    for DeepSpeed's files on another world size or parallel mode (zero.py)."""
     manifest = fmt.read_manifest(ckpt)
-    saved_world = int(manifest.get("world_size", 1))
+    zero.check_resumable(ckpt, manifest, accelerator)
+    saved_world, rank = int(manifest.get("world_size", 1)), accelerator.process_index
     # a rank beyond the saved world continues one saved rank's RNG streams
-    rng_name = fmt.rng_file(accelerator.process_index % saved_world)
+    rng_name = fmt.rng_file(rank % saved_world)
     names = [n for n in manifest["files"] if not n.startswith(fmt.RNG_PREFIX)] + [rng_name]
-    files = fmt.verify_files(ckpt, names, parse=sharded.parse)  # every shard, every rank
+    # DeepSpeed's files: the ones this rank loads (each rank checks its own)
+    names = [n for n in names if not zero.is_own(n) or zero.loaded_by(n, rank)]
+    files = fmt.verify_files(ckpt, names, parse=_parse)  # every shard, every rank
     allowed = allowed_config_changes(config)
     diffs = config_differences(files[fmt.CONFIG], config, allowed)
     if diffs:
@@ -78,6 +82,12 @@ def verify(ckpt: Path, *, config: dict[str, Any], accelerator: Any) -> tuple[dic
             "the keys back. Allowed to change: " + ", ".join(allowed)
         )
     return manifest, files
+
+
+def _parse(name: str, path: Path) -> Any:
+    """What a resume reads of each file: DeepSpeed's files unpickled with its
+    allowlist only to refuse any other (zero.check), shards checked, the rest parsed."""
+    return zero.check(path) if zero.is_own(name) else sharded.parse(name, path)
 
 
 def plan_resume(

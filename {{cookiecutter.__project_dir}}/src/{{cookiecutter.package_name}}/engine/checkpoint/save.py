@@ -170,7 +170,7 @@ def write_and_commit(
                 if job.own_files is not None:  # the main process gathers every rank's hashes
                     files.update(json.loads(hashes.read_text()))
                     hashes.unlink()
-            for shard_dir in fmt.SHARD_DIRS:  # DCP fsynced the shards, not their folders
+            for shard_dir in fmt.SUBDIRS:  # DCP (DeepSpeed) fsynced the files, not their folders
                 if (job.tmp / shard_dir).is_dir():
                     fsync_dir(job.tmp / shard_dir)
             commit(job.tmp, job.final, job.manifest, files)
@@ -351,7 +351,7 @@ def write_main_files(
     """Serialize and write + fsync the main process's files into ``tmp``, in
     threads; returns their manifest entries. Each file is hashed from the same
     buffers as they are written, so hashing costs little time and no copy."""
-    model_state, optimizer_state = tensors[fmt.MODEL], tensors[fmt.OPTIMIZER]
+    model_state, optimizer_state = tensors[fmt.MODEL], tensors.get(fmt.OPTIMIZER)
     writers = threads("io")
 
     def write(fname: str, serialize: Callable[[HashingWriter], Any]) -> dict[str, Any]:
@@ -367,9 +367,10 @@ def write_main_files(
         )
     }
     pause_point("between_files", step)  # the model file written or in flight
-    futures[fmt.OPTIMIZER] = writers.submit(
-        write, fmt.OPTIMIZER, lambda out: torch_save(optimizer_state, out)
-    )
+    if optimizer_state is not None:  # DeepSpeed: its own files hold the optimizer (zero.py)
+        futures[fmt.OPTIMIZER] = writers.submit(
+            write, fmt.OPTIMIZER, lambda out: torch_save(optimizer_state, out)
+        )
     for fname, data in blobs.items():
         futures[fname] = writers.submit(write, fname, lambda out, d=data: out.write(d))
     return {fname: future.result() for fname, future in futures.items()}

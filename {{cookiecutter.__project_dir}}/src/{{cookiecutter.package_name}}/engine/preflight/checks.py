@@ -208,12 +208,16 @@ def check_disk(
     where = run_dir / "checkpoints"
     checkpoint_bytes = rt.checkpoint_bytes
     if checkpoint_bytes is None:
+        why = rt.save_error or rt.timing.error
+        # the disk advice for the file system's errors only (save.write_error says which)
+        disk = "free disk space" in why
         return Check(
             "disk",
             "fail",
-            f"{mib(free)} free at {where}; could not write one checkpoint to size it: "
-            f"{rt.save_error or rt.timing.error}",
-            "free disk space or put the run dir on a larger disk (hydra.run.dir=...)",
+            f"{mib(free)} free at {where}; could not write one checkpoint to size it: {why}",
+            "free disk space or put the run dir on a larger disk (hydra.run.dir=...)"
+            if disk
+            else "fix what the checkpoint check names (not a disk problem)",
         )
     if ckpt.enabled:
         count, why = ckpt.kept_on_disk()

@@ -81,9 +81,6 @@ def round_trip_and_timing(
     saves are synchronous even with checkpoint.async: the round trip reads them
     back at once (and the ETA counts a full save, an upper bound for async)."""
     world = acc.num_processes
-    if cfg.parallel.mode == "deepspeed":
-        why = "not run under DeepSpeed: its state cannot be saved and restored safely"
-        return RoundTrip(Check("checkpoint", "warn", why), Timing(error=why))
     before = state_digests(acc, state)
     fresh_optimizer = _has_no_state(state.optimizer)
     try:
@@ -169,10 +166,10 @@ _ROUND_TRIP_FIX = (
 
 def state_digests(acc: Any, state: TrainState) -> dict[str, str]:
     """sha256 of every tensor and value of the training state, by name: what a
-    checkpoint must restore. Local shards under FSDP; no collectives."""
+    checkpoint must restore. Local shards under FSDP and ZeRO-3; no collectives."""
     scaler = getattr(acc, "scaler", None)
     tree = {
-        "model": state.model.state_dict(),
+        "model": _local_model_state(state.model),
         "optimizer": state.optimizer.state_dict(),
         "scheduler": state.scheduler.state_dict(),
         "scaler": scaler.state_dict() if scaler is not None else {},
@@ -182,6 +179,17 @@ def state_digests(acc: Any, state: TrainState) -> dict[str, str]:
     digests: dict[str, str] = {}
     _digest_into(digests, tree, "")
     return digests
+
+
+def _local_model_state(model: torch.nn.Module) -> dict[str, Any]:
+    """The model's state as this rank holds it: a ZeRO-3 parameter by its own
+    partition (``ds_tensor``), since whether its full tensor happens to be
+    gathered at the moment (e.g. after DeepSpeed's load) is not what it holds."""
+    out: dict[str, Any] = dict(model.state_dict())
+    for name, param in model.named_parameters(remove_duplicate=False):  # tied: each name
+        if hasattr(param, "ds_tensor"):
+            out[name] = param.ds_tensor
+    return out
 
 
 def _digest_into(out: dict[str, str], tree: Any, prefix: str) -> None:
