@@ -14,8 +14,8 @@ from safetensors.torch import save
 
 from {{ cookiecutter.package_name }}.engine.agreement import StepAgreement
 from {{ cookiecutter.package_name }}.engine.checkpoint import CheckpointManager, folder, plan_resume
-from {{ cookiecutter.package_name }}.engine.checkpoint import save as protocol
 from {{ cookiecutter.package_name }}.engine.checkpoint import format as fmt
+from {{ cookiecutter.package_name }}.engine.checkpoint import save as protocol
 from {{ cookiecutter.package_name }}.engine.config import (
     ALLOWED_CONFIG_CHANGES,
     allowed_config_changes,

@@ -258,6 +258,8 @@ def test_the_disk_check_gives_disk_advice_for_disk_errors_only(tmp_path):
         "problem: the state itself could not be written in this format": False,
     }
     for error, disk in causes.items():
-        check = check_disk(None, tmp_path, 2**30, RoundTrip(failed, Timing(), save_error=error), None)
+        check = check_disk(
+            None, tmp_path, 2**30, RoundTrip(failed, Timing(), save_error=error), None
+        )
         assert check.status == "fail" and error in check.detail
         assert ("free disk space" in check.fix) is disk, check.fix

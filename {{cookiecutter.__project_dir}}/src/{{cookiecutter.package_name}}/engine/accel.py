@@ -2,8 +2,8 @@
 accumulation, trackers; and refuse the silent fallbacks accelerate allows."""
 
 import hashlib
-import os
 import logging
+import os
 from datetime import timedelta
 from pathlib import Path
 

@@ -32,6 +32,7 @@ from .config import (
     require,
     resolve_config,
 )
+from .files import write_json_atomic
 from .inference import (
     BUILT_FROM_RUN,
     PICKS,
@@ -45,7 +46,6 @@ from .inference import (
 )
 from .launch import LaunchError, run
 from .logs import setup_rank_logging
-from .files import write_json_atomic
 from .run_dir import hydra_run_dir, made_by_this_launch
 
 log = logging.getLogger(__name__)

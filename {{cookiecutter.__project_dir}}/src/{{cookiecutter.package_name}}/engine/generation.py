@@ -23,9 +23,9 @@ from .. import task
 from .checkpoint import CheckpointError
 from .config import ConfigError, require
 from .evaluation import prepare
+from .files import write_atomic, write_json_atomic
 from .fits import model_positions
 from .inference import load_checkpoint
-from .files import write_atomic, write_json_atomic
 from .tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)

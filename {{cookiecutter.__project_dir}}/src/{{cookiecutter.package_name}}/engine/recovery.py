@@ -108,8 +108,9 @@ def describe(run_dir: Path, number: int) -> dict[str, Any]:
         alive = {r: float(b.get("alive_at", 0)) for r, b in beats.items()}
         first_gone = min(alive.values(), default=0.0)
         ranks = sorted(r for r, t in alive.items() if t - first_gone < 1.0)
-        cause, noticed = "a worker exited (its status is in the launcher's log)", max(
-            alive.values(), default=0.0
+        cause, noticed = (
+            "a worker exited (its status is in the launcher's log)",
+            max(alive.values(), default=0.0),
         )
     progress = [float(beats[r].get("progress_at", 0)) for r in ranks if r in beats]
     return {

@@ -16,7 +16,6 @@ It holds ``.hydra/``, the resolved ``config.yaml`` and ``config.json``,
 
 import contextlib
 import hashlib
-import json
 import os
 import socket
 import time

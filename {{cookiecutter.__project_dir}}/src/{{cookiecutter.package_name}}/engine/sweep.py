@@ -25,9 +25,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from . import trust, upstream
+from .files import locked, write_atomic, write_json_atomic
 from .launch import global_rank
 from .pruning import is_pruned
-from .files import locked, write_atomic, write_json_atomic
 from .run_dir import RunDirError, save_hydra_files
 
 log = logging.getLogger(__name__)

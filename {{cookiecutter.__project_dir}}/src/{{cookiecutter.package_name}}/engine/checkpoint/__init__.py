@@ -19,8 +19,8 @@ from .resume import ResumePlan, plan_resume
 __all__ = [
     "CheckpointError",
     "CheckpointManager",
-    "ResumePlan",
     "ConfigMismatch",
+    "ResumePlan",
     "committed_checkpoints",
     "load_tensors_safely",
     "plain_model",

@@ -16,6 +16,7 @@ from typing import Any
 from . import folder
 from . import format as fmt
 
+
 def per_process_batch(loader: Any, num_processes: int) -> int:
     """Samples per micro-batch on one process (accelerate's prepared loader
     knows the global one)."""

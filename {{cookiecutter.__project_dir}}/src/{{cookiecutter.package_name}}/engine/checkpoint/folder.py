@@ -11,7 +11,6 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any
 
 from .. import trust
 from . import format as fmt

@@ -13,17 +13,12 @@ with zero.py's allowlist of three of its types). docs/checkpoints.md.
 
 from __future__ import annotations
 
-import functools
 import io
-import json
 import mmap
 import os
 import pickle
 import platform
-import shutil
-import sys
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 

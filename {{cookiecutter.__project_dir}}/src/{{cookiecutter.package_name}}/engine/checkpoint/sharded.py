@@ -84,8 +84,6 @@ def write(tmp: Path, model_sd: dict[str, Any], optim_tensors: dict[str, Any], st
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from . import format as fmt
-
     for directory, state in ((MODEL_DIR, model_sd), (OPTIMIZER_DIR, optim_tensors)):
         writer = HuggingFaceStorageWriter(str(tmp / directory), save_distributed=True)
         try:

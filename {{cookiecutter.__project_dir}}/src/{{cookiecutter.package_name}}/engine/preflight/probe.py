@@ -103,9 +103,7 @@ def round_trip_and_timing(
             files = [p for p in sized.rglob("*") if p.is_file()]  # sharded: model/, optimizer/
             result.checkpoint_bytes = sum(p.stat().st_size for p in files)
             result.weights_bytes = sum(  # model.safetensors, or the model/ shards
-                p.stat().st_size
-                for p in files
-                if p.name == fmt.MODEL or p.parent.name == "model"
+                p.stat().st_size for p in files if p.name == fmt.MODEL or p.parent.name == "model"
             )
         except CheckpointError as err:
             if world > 1:
