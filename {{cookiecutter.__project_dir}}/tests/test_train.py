@@ -57,8 +57,9 @@ def test_smoke_run_writes_the_run_directory(train_run, compose_cfg):
         "best",
         "resumed_from",
         "skipped_nan_steps",
+        "recoveries",
     }
-    assert s["resumed_from"] is None and s["skipped_nan_steps"] == 0
+    assert s["resumed_from"] is None and s["skipped_nan_steps"] == 0 and s["recoveries"] == []
     assert s["step"] == 30 and s["world_size"] == world
     assert s["epoch"] == math.ceil(30 / steps_per_epoch)  # 2 epochs of 23 steps in one process
     assert s["wall_time_s"] > 0 and s["steps_per_sec"] > 0
