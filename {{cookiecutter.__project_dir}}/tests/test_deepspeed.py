@@ -32,18 +32,20 @@ ARGS += ["trainer.max_steps=12", "trainer.log_every_n_steps=3", "trainer.eval_ev
 ARGS += ["checkpoint.every_n_steps=3"]
 
 
-def train(run_dir: Path, *extra: str) -> str:
-    return ok(
-        subprocess.run(
-            command(*ARGS, *extra, f"hydra.run.dir={run_dir}"),
-            cwd=PROJECT_ROOT,
-            env=ENV,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
-        )
+def launch(args: list[str], run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        command(*args, *extra, f"hydra.run.dir={run_dir}"),
+        cwd=PROJECT_ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
+
+
+def train(run_dir: Path, *extra: str) -> str:
+    return ok(launch(ARGS, run_dir, *extra))
 
 
 def killed_at(run_dir: Path, stage: int, checkpoint: str) -> list[Path]:
@@ -170,15 +172,7 @@ def test_zero2_killed_and_resumed_past_a_corrupt_checkpoint_is_bit_exact(straigh
     newest, previous = saved[-1], saved[-2]
     one = [a if a != "parallel.num_processes=2" else "parallel.num_processes=1" for a in ARGS]
     # on another number of processes: refused (exit 2) before any work, naming both
-    other = subprocess.run(
-        command(*one, "parallel.zero_stage=2", f"hydra.run.dir={run_dir}"),
-        cwd=PROJECT_ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    other = launch(one, run_dir, "parallel.zero_stage=2")
     said = other.stdout + other.stderr
     assert other.returncode == 2, said[-3000:]
     assert "with 2 processes; this run has 1" in said and "Traceback" not in said
