@@ -535,7 +535,10 @@ def test_baked_project_tests_pass_in_shared_env(baked, name):
     evaluated = (
         "tests/test_lifecycle.py::test_eval_runs_one_process_and_equals_the_training_bit_for_bit"
     )
-    selected = ["-m", "not slow and not multiprocess", "tests/test_configs.py", smoke, evaluated]
+    # -n auto: one worker per core, as in the default bake's run (the template's tests
+    # themselves run one at a time)
+    selected = ["-n", "auto", "-m", "not slow and not multiprocess", "tests/test_configs.py"]
+    selected += [smoke, evaluated]
     if default_parallel(context_of(name)) == "fsdp":
         # The multi_node scope's defaults on its own first example: FSDP on the GPT.
         selected.append("tests/test_fsdp.py::test_multi_node_defaults_train_the_gpt_example")

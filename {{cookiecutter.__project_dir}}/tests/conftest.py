@@ -106,6 +106,8 @@ def run_train(
     run = TrainRun(proc, run_dir)
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{run.output[-4000:]}")
+    if check and ("terminate called" in run.output or "Aborted" in run.output):
+        pytest.fail(f"a process aborted on its way out:\n{run.output[-4000:]}")
     return run
 
 

@@ -207,6 +207,8 @@ def _deepspeed_plugin(cfg: DictConfig) -> DeepSpeedPlugin:
             "pip install -e '.[deepspeed]' (on a machine without CUDA: "
             "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed)"
         ) from None
+    if not torch.cuda.is_available():
+        _no_shared_memory_all_reduce()
     p = cfg.parallel
     return DeepSpeedPlugin(
         zero_stage=p.zero_stage,
@@ -219,6 +221,17 @@ def _deepspeed_plugin(cfg: DictConfig) -> DeepSpeedPlugin:
         # process) for model.safetensors and every checkpoint's (full_state.model_state)
         zero3_save_16bit_model=True,
     )
+
+
+def _no_shared_memory_all_reduce() -> None:
+    """On a CPU, DeepSpeed's communication backend JIT-compiles its shared-memory
+    all-reduce op (deepspeed_shm_comm) when it starts: measured 140 s on 2 cores for
+    the first run on a machine. Only DeepSpeed's inference all-reduce uses it; training
+    reduces through the gloo process group either way. Marked incompatible here (the
+    dict DeepSpeed keeps for this, whose edits persist), it is never built."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def _use_fsdp_where_accelerate_does_not(

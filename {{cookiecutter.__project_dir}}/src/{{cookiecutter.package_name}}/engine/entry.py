@@ -15,7 +15,9 @@ valid key or the options there are.
 
 from __future__ import annotations
 
+import atexit
 import difflib
+import gc
 import os
 import re
 import sys
@@ -31,6 +33,7 @@ def run_entry_point(main: Callable[[], Any], config_dir: Path, config_name: str)
     message of ours (module docstring), before anything is written."""
     from hydra.errors import ConfigCompositionException, OverrideParseException
 
+    skip_the_final_collection()
     previous = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises them to us instead of printing them
     try:
@@ -53,6 +56,15 @@ def run_entry_point(main: Callable[[], Any], config_dir: Path, config_name: str)
             os.environ.pop("HYDRA_FULL_ERROR", None)
         else:
             os.environ["HYDRA_FULL_ERROR"] = previous
+
+
+def skip_the_final_collection() -> None:
+    """A process that has imported torch spends about 1.5 s of its exit in the
+    interpreter's last garbage collection (measured: a 3-step run 8.4 -> 6.5 s, a
+    2-process DDP run 15.6 -> 12.9 s). What is alive then dies with the process anyway:
+    frozen at exit, the collector skips it. Files, trackers and process groups are
+    closed explicitly before, never left to the collector."""
+    atexit.register(gc.freeze)
 
 
 def command_line_error(err: Exception, config_dir: Path, config_name: str, argv: list[str]) -> str:

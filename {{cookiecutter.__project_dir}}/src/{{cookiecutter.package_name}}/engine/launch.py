@@ -41,6 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import recovery
 from .config import ConfigError
+from .entry import skip_the_final_collection
 from .trust import literal
 
 log = logging.getLogger(__name__)
@@ -325,6 +326,7 @@ def _worker(
     from torch.distributed.elastic.multiprocessing.errors import record
 
     _die_with_parent()
+    skip_the_final_collection()
     os.environ["TRAIN_ATTEMPT"] = str(number)  # watchdog.attempt()
     cfg = OmegaConf.create(literal(container))  # resolved already: a ``${`` left is text
     OmegaConf.set_struct(cfg, True)
