@@ -194,6 +194,19 @@ def test_zero2_killed_and_resumed_past_a_corrupt_checkpoint_is_bit_exact(straigh
     assert_equal(weights(run_dir / "model.safetensors"), weights(straight / "model.safetensors"))
 
 
+def test_on_a_cpu_deepspeeds_shared_memory_op_is_never_built(compose_cfg):
+    """Its JIT build cost the first run on a machine 2.5 minutes, for an op only
+    DeepSpeed's inference uses: with the plugin made on a CPU, DeepSpeed's own
+    start-up (build_shm_op, run as its backend starts) builds nothing."""
+    from deepspeed.comm.torch import build_shm_op
+
+    from {{ cookiecutter.package_name }}.engine import accel
+
+    assert not torch.cuda.is_available()  # this suite's machines
+    accel._deepspeed_plugin(compose_cfg("parallel=deepspeed", *GPT))
+    assert build_shm_op() is None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_optimizer_offload_trains_and_its_checkpoint_round_trips(stage, tmp_path):
