@@ -46,7 +46,7 @@ log_overhead        1 - steps/s with ``tracker=[--trackers]`` / with ``tracker=n
                     in one process, the loop's step and log step (every 10 steps) in
                     alternating blocks with and without ``accelerator.log``
 step_ratio          one optimizer step, in one process: the bare step / the loop's own      >= 0.98
-                    (``state.optimizer_step`` through accelerate, the NaN guard, the
+                    (the task's ``training_step`` through ``Step``: accelerate, the NaN guard, the
                     prepared loader), in alternating blocks: the per-step cost without
                     the between-process drift of a shared machine
 ==================  =====================================================================  ======

@@ -18,13 +18,13 @@ def bench_checkpoint(args, config: dict, work: Path, results: dict) -> None:
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    task = bench_project.module("task")
     CheckpointManager = bench_project.module("engine.checkpoint").CheckpointManager
     state_module = bench_project.module("engine.state")
     TrainState, rng_state = state_module.TrainState, state_module.rng_state
 
     cfg = OmegaConf.create(config)  # the resolved config of the workload
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    task = instantiate(cfg.task)
     model = instantiate(cfg.model)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
     scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=100)

@@ -110,7 +110,7 @@ def child_bare(spec: dict) -> None:
         model = torch.compile(model)
     bf16 = cfg["trainer"]["mixed_precision"] == "bf16"
     clip = cfg["trainer"]["grad_clip_norm"]
-    bare_step = bare_stepper(clip=clip, bf16=bf16, device=device)
+    bare_step = bare_stepper(clip=clip, bf16=bf16, device=device, task=_build(cfg["task"]))
     done = 0
     while done < steps:
         for batch in loaders.train:
@@ -123,12 +123,11 @@ def child_bare(spec: dict) -> None:
         torch.distributed.destroy_process_group()
 
 
-def bare_stepper(*, clip: float | None, bf16: bool, device):
+def bare_stepper(*, clip: float | None, bf16: bool, device, task):
     """The bare loop's step, ``step(model, optimizer, batch) -> loss`` (bench_step.py
-    times it in-process too). The imports happen here, once, not in every step."""
+    times it in-process too), with the run's task's loss (the same as train.py's).
+    The imports happen here, once, not in every step."""
     import torch
-
-    task = bench_project.module("task")  # the same loss as train.py's
 
     def step(model, optimizer, batch):
         batch = [t.to(device, non_blocking=True) for t in batch]

@@ -2,7 +2,7 @@
 projects it writes, so it is pointed at one: ``--project DIR`` (a directory the
 template baked; ``BENCH_PROJECT`` in the environment), passed on to every process
 the bench starts. Its package is found by the template's layout (the one package
-under ``src/`` with a ``task.py``) and imported by that name."""
+under ``src/`` with an ``engine/``) and imported by that name."""
 
 import argparse
 import importlib
@@ -52,9 +52,10 @@ def root() -> Path:
 
 
 def package_name() -> str:
-    found = sorted(p.parent.name for p in (root() / "src").glob("*/task.py"))
+    found = sorted(p.parent.name for p in (root() / "src").glob("*/engine"))
     if len(found) != 1:
-        raise SystemExit(f"bench: expected one package with a task.py in {root() / 'src'}: {found}")
+        where = root() / "src"
+        raise SystemExit(f"bench: expected one package with an engine/ in {where}: {found}")
     return found[0]
 
 

@@ -1,5 +1,5 @@
-"""``bench.py``'s in-process step figure: the loop's own optimizer step
-(``state.optimizer_step``: accelerate's ``accumulate``/``backward``/
+"""``bench.py``'s in-process step figure: the loop's own optimizer step (the task's
+``training_step`` through the engine's ``Step``: accelerate's ``accumulate``/``backward``/
 ``clip_grad_norm_``, its optimizer wrapper, the NaN guard, and accelerate's
 prepared data loader) against the bare step (``loss.backward()``, torch's
 ``clip_grad_norm_``, the optimizer itself, the plain loader) on the same model,
@@ -33,8 +33,7 @@ def bench_step(args, config: dict, work: Path, results: dict) -> None:
     LossGuard = bench_project.module("engine.nonfinite").LossGuard
     StopSignals = bench_project.module("engine.preemption").StopSignals
     StepAgreement = bench_project.module("engine.agreement").StepAgreement
-    state_module = bench_project.module("engine.state")
-    TrainState, optimizer_step = state_module.TrainState, state_module.optimizer_step
+    Step = bench_project.module("engine.step").Step
 
     cfg = OmegaConf.create(config)  # the workload's resolved config (--trackers, or none)
     accelerator = build_accelerator(cfg, work)
@@ -43,12 +42,19 @@ def bench_step(args, config: dict, work: Path, results: dict) -> None:
     model = instantiate(cfg.model, what="model")
     optimizer = instantiate(cfg.optimizer, what="optimizer")(model.parameters())
     model, wrapped, prepared = accelerator.prepare(model, optimizer, loaders.train)
-    state = TrainState(model, wrapped, None, train_loader=prepared, val_loader=[])
     guard = StepAgreement(  # the loop's: a NaN guard, no signals
         accelerator=accelerator,
         guard=LossGuard(cfg.trainer.on_nan, accelerator),
         signals=StopSignals(enabled=False),
         every_n_steps=cfg.trainer.log_every_n_steps,
+    )
+    task = instantiate(cfg.task, what="task")
+    verbs = Step(
+        accelerator=accelerator,
+        agreement=guard,
+        clip_norm=cfg.trainer.grad_clip_norm,
+        models={"model": model},
+        optimizers={"optimizer": wrapped},
     )
     clip, device = cfg.trainer.grad_clip_norm, accelerator.device
     loss_sum = torch.zeros((), device=device)
@@ -63,7 +69,8 @@ def bench_step(args, config: dict, work: Path, results: dict) -> None:
 
     plain_batches, our_batches = forever(loaders.train), forever(prepared)
 
-    bare_step = bare_stepper(clip=clip, bf16=accelerator.mixed_precision == "bf16", device=device)
+    bf16 = accelerator.mixed_precision == "bf16"
+    bare_step = bare_stepper(clip=clip, bf16=bf16, device=device, task=task)
 
     def bare() -> None:  # the bare loop's step (bench_children.py)
         nonlocal loss_sum
@@ -73,15 +80,10 @@ def bench_step(args, config: dict, work: Path, results: dict) -> None:
 
     def ours():  # what train.py's loop does per step, but the bookkeeping; the grad norm
         nonlocal loss_sum
-        loss, _, norm = optimizer_step(
-            accelerator=accelerator,
-            state=state,
-            batch=next(our_batches),
-            agreement=guard,
-            clip_norm=clip,
-        )
+        loss, _ = task.training_step(step=verbs, batch=next(our_batches))
+        verbs.update_done()
         loss_sum += loss.detach()
-        return norm
+        return verbs.grad_norm
 
     log_every, logged = cfg.trainer.log_every_n_steps, [0]
 

@@ -6,9 +6,11 @@
     python train.py run_name=exp1                    # rerun after a crash: resumes in runs/exp1
                                                      # (a finished run: reports it, changes nothing)
 
-The task itself (loss, batch, evaluation) is src/{{ cookiecutter.package_name }}/task.py;
-everything else (run directory, checkpoints, signals, trackers, seeding, progress)
-lives in small modules there that decide about ranks themselves (README: "Layout").
+The task (what a batch is, the loss, the training step, the evaluation) is an object
+built from configs/task/ (src/{{ cookiecutter.package_name }}/tasks/); callbacks from
+configs/callbacks/. Everything else (run directory, checkpoints, signals, trackers,
+seeding, progress) lives in the engine's small modules, which decide about ranks
+themselves (README: "Layout").
 """
 
 import logging
@@ -20,9 +22,14 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from {{ cookiecutter.package_name }} import task
 from {{ cookiecutter.package_name }}.engine.accel import build_accelerator, weights_fingerprint
 from {{ cookiecutter.package_name }}.engine.agreement import StepAgreement
+from {{ cookiecutter.package_name }}.engine.callbacks import (
+    Callbacks,
+    RunContext,
+    build_callbacks,
+    stateful,
+)
 from {{ cookiecutter.package_name }}.engine.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -72,7 +79,9 @@ from {{ cookiecutter.package_name }}.engine.run_dir import (
     write_summary,
 )
 from {{ cookiecutter.package_name }}.engine.seeding import same_on_every_rank, seed_everything
-from {{ cookiecutter.package_name }}.engine.state import TrainState, optimizer_step
+from {{ cookiecutter.package_name }}.engine.state import TrainState
+from {{ cookiecutter.package_name }}.engine.step import Step
+from {{ cookiecutter.package_name }}.engine.task import build_task
 from {{ cookiecutter.package_name }}.engine.throughput import Throughput
 from {{ cookiecutter.package_name }}.engine.tracking import (
     check_reachable,
@@ -85,8 +94,8 @@ from {{ cookiecutter.package_name }}.engine.watchdog import Watchdog
 log = logging.getLogger("train")
 PROJECT_ROOT = Path(__file__).resolve().parent  # runs_root's default: <project root>/runs
 CONFIG_DIR = PROJECT_ROOT / "configs"
-# What the loop logs itself, besides the task's own train/<log>s; task.METRICS are the
-# evaluation's (trainer.monitor picks one).
+# What the loop logs itself, besides the task's own train/<log>s; the task's ``metrics``
+# are its evaluation's (trainer.monitor picks one).
 TRAIN_METRICS = ("train/loss", "train/lr", "train/grad_norm", "train/epoch")
 
 
@@ -112,7 +121,8 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
     # debug=fast|overfit|anomaly|profile: fewer batches, anomaly mode, profiler (none: off)
     debug = Debug(**cfg.debug, run_dir=run_dir, rank=accelerator.process_index)
 
-    # --- data, model, optimizer, schedule (they check their own arguments) -----------
+    # --- task, data, model, optimizer, schedule (they check their own arguments) -----
+    task = build_task(cfg.task)  # configs/task/: the loss, the training step, the evaluation
     loaders = debug.loaders(instantiate(cfg.data, what="data"))
     with same_on_every_rank(cfg.seed):
         model = instantiate(cfg.model, what="model")
@@ -122,7 +132,7 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
     # parallel=fsdp: each repeated block its own FSDP unit, then the root (else a no-op);
     # before the optimizer, which then holds the sharded parameters
     model = shard_model(model, accelerator=accelerator, parallel=cfg.parallel)
-    # task.param_groups: no weight decay on biases, norms and embeddings by default
+    # the task's param_groups: no weight decay on biases, norms and embeddings by default
     optimizer = instantiate(cfg.optimizer, what="optimizer")(task.param_groups(model))
     # samples/s, tokens/s and MFU for the logs (before prepare() wraps the model)
     throughput = Throughput(
@@ -181,17 +191,10 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
         f"({accelerator.distributed_type.value})"
     )
 
+    # configs/callbacks/: actions at each step, evaluation, save and the end (callbacks.py)
+    callbacks = build_callbacks(cfg.get("callbacks"))
+
     # --- the state; checkpoints: resume where an earlier run of this run dir stopped --
-    clock = RunClock()  # training time of the whole run, across resumes
-    state = TrainState(
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        train_loader=train_loader,
-        val_loader=val_loader,
-        # saved in checkpoints: trainer_state.json (tensors: <name>.safetensors)
-        stateful={"metrics": book, "clock": clock, "early_stopping": stopper, **ema.stateful},
-    )
     # What the ranks agree on, in one all-reduce when due (agreement.py): a NaN/inf loss
     # (trainer.on_nan: stop or skip) and a stop signal (SIGTERM/SIGUSR1/SIGUSR2/Ctrl-C:
     # save at the next agreed step boundary, then exit; checkpoints on)
@@ -203,6 +206,33 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
         guard=guard,
         signals=signals,
         every_n_steps=cfg.trainer.log_every_n_steps,
+    )
+    # The verbs of the task's training_step: accumulation, backward with the NaN guard,
+    # clipping (trainer.grad_clip_norm) and the update, over the named models/optimizers
+    step_verbs = Step(
+        accelerator=accelerator,
+        agreement=agreement,
+        clip_norm=cfg.trainer.grad_clip_norm,
+        models={"model": model},
+        optimizers={"optimizer": optimizer},
+    )
+    clock = RunClock()  # training time of the whole run, across resumes
+    state = TrainState(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        train_loader=train_loader,
+        val_loader=val_loader,
+        task=task,
+        step=step_verbs,
+        # saved in checkpoints: trainer_state.json (tensors: <name>.safetensors)
+        stateful={
+            "metrics": book,
+            "clock": clock,
+            "early_stopping": stopper,
+            **ema.stateful,
+            **stateful(callbacks),  # callbacks.<name>: a callback with state_dict()
+        },
     )
     ckpt = CheckpointManager(
         checkpoint=cfg.checkpoint,
@@ -243,10 +273,8 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
 
     # --- the loop ----------------------------------------------------------------------
     progress = Progress(total_steps, initial_step=step, clock=clock)  # rates: training time
-    eval_every = plan.eval_every
-    log_every, clip_norm = cfg.trainer.log_every_n_steps, cfg.trainer.grad_clip_norm  # read once
-    window = WindowMeans(accelerator)  # train/loss and task.loss's logs: summed on the device
-    grad_norm = torch.zeros(())
+    eval_every, log_every = plan.eval_every, cfg.trainer.log_every_n_steps
+    window = WindowMeans(accelerator)  # train/loss and the task's logs: summed on the device
     data = None  # the latest batch (its size counts the summary's samples and tokens)
     stop = False  # the ranks agreed that a stop signal came (agreement.at_step)
     # Hang detection: each phase of the loop (first step, step, eval, save) has a
@@ -257,6 +285,19 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
         run_dir=run_dir,
         rank=accelerator.process_index,
         world_size=accelerator.num_processes,
+    )
+    # What every optimizer step, evaluation and save is followed by, in this order: the
+    # weight average, the watchdog's heartbeat, progress, debug's profiler, early
+    # stopping's patience, then the callbacks of configs/callbacks/
+    events = Callbacks([ema, watchdog, progress, debug, stopper, *callbacks.values()])
+    run = RunContext(
+        accelerator=accelerator,
+        run_dir=run_dir,
+        task=task,
+        models=step_verbs.models,
+        total_steps=total_steps,
+        step=step,
+        extras={"val_loader": val_loader},
     )
     clock.start()
     debug.start()
@@ -271,38 +312,31 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
             train_loader, epoch=epoch, batches_done=done, num_processes=accelerator.num_processes
         )
         for batch, data in enumerate(batches, start=done + 1):
-            loss, logs, norm = optimizer_step(
-                accelerator=accelerator,
-                state=state,
-                batch=data,
-                agreement=agreement,
-                clip_norm=clip_norm,
-            )
-            grad_norm = grad_norm if norm is None else norm
+            # the task's step: forward, loss, backward; at the accumulation's end clipping
+            # and the update (the default: engine/task.py, TaskDefaults.training_step)
+            loss, logs = task.training_step(step=step_verbs, batch=data)
             window.add(loss, logs)
-            if not accelerator.sync_gradients:
+            if not step_verbs.update_done():
                 continue  # still accumulating micro-batches
             scheduler.step()
-            ema.update(model)
             step = state.advance(epoch, batch)  # TrainState keeps where training is
-            watchdog.step(step)
-            progress.advance()
-            debug.step()
+            run.step, run.epoch = step, epoch
+            events.on_step_end(run)
 
             if step % log_every == 0:
                 rate = progress.window_rate(step)
                 samples, tokens = task.batch_size(batch=data)
-                accumulated = grad_accum
+                norm = step_verbs.grad_norm  # the last clipping's (None: no clipping yet)
                 metrics = {
                     **window.means(),  # train/loss, train/<log>: over the window, every rank
                     "train/lr": scheduler.get_last_lr()[0],
-                    "train/grad_norm": float(grad_norm),
+                    "train/grad_norm": 0.0 if norm is None else float(norm),
                     "train/epoch": epoch + 1,
                     "perf/steps_per_sec": rate,
                     **throughput.metrics(
                         rate,
-                        samples=samples * accumulated,
-                        tokens=None if tokens is None else tokens * accumulated,
+                        samples=samples * grad_accum,
+                        tokens=None if tokens is None else tokens * grad_accum,
                     ),
                     **clock.metrics(),  # perf/eval_s, perf/ckpt_blocking_s: not in the rates
                 }
@@ -316,15 +350,17 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
             if step % eval_every == 0 or step == total_steps:
                 with clock.excluded("eval"), watchdog.phase("eval"):
                     metrics = task.evaluate(model=model, loader=val_loader, accelerator=accelerator)
-                    metrics |= ema.evaluate(loader=val_loader, accelerator=accelerator)
+                    metrics |= ema.evaluate(task=task, loader=val_loader, accelerator=accelerator)
                 book.update(metrics, step, require_monitor=True)
                 accelerator.log(metrics, step=step)
                 progress.report(step, metrics)
-                stopper.observe(step)  # trainer.early_stopping: patience runs out?
+                events.on_eval_end(run, metrics)  # early stopping, then the callbacks
 
             # every N steps/epochs, a new best, after a stop signal
             with clock.excluded("ckpt_blocking"), watchdog.phase("save"):
-                ckpt.maybe_save(metrics=book.last, stop=stop)
+                saved = ckpt.maybe_save(metrics=book.last, stop=stop)
+            if saved is not None:
+                events.on_save(run, saved)
             trial.report_and_check(step, book)  # Optuna pruning: raises TrialPruned (saved first)
             if step == total_steps or stop or stopper.stopped:
                 break
@@ -332,9 +368,12 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
     progress.close()
     stop = agreement.at_step(step, final=True)  # every rank agrees on how the loop ended
     with clock.excluded("ckpt_blocking"), watchdog.phase("save"):
-        ckpt.finish(metrics=book.last, stop=stop)  # the last checkpoint
+        saved = ckpt.finish(metrics=book.last, stop=stop)  # the last checkpoint
+    if saved is not None:
+        events.on_save(run, saved)
     watchdog.close()
     signals.finish(stopped=stop, saved=ckpt.last_saved)  # a stop: exit (SLURM: requeue)
+    events.on_train_end(run)
 
     # --- summary and final weights -----------------------------------------------------
     wall = clock.elapsed()
@@ -359,7 +398,7 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
     plain = plain_model(accelerator, model)  # no DDP/compile wrapper
     log.info(f"final weights fingerprint {weights_fingerprint(plain)}")
     save_final_weights(accelerator, model, run_dir)  # model.safetensors
-    log_final_model(accelerator, cfg, run_dir, loaders.val)  # MLflow: the model and weights
+    log_final_model(accelerator, cfg, run_dir, loaders.val, task=task)  # MLflow: model, weights
     log.info(
         f"done: {step} steps in {wall:.1f}s | "
         + " | ".join(f"{k} {v:.4f}" for k, v in book.last.items() if k.startswith("val/"))
@@ -388,7 +427,8 @@ def launch(raw: DictConfig) -> float | None:
     adopt_pet_env(cfg.parallel)  # in a Kubeflow Trainer pod: nodes, rank, rendezvous from PET_*
     check_config(cfg)
     check_run_name(cfg)  # inside runs_root
-    monitored = (*TRAIN_METRICS, *task.METRICS, *metric_names(cfg.trainer.ema))
+    task = build_task(cfg.task)  # a task that lacks a method the engine calls: exit 2 here
+    monitored = (*TRAIN_METRICS, *task.metrics, *metric_names(cfg.trainer.ema, task.metrics))
     if cfg.trainer.monitor not in monitored and not cfg.trainer.monitor.startswith(
         ("perf/", "train/")
     ):

@@ -9,9 +9,9 @@ import torch
 from hydra.utils import get_object, instantiate
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package_name }} import task
 from {{ cookiecutter.package_name }}.engine.accel import resolve_precision
 from {{ cookiecutter.package_name }}.engine.config import check_config, flatten_config, resolve_config
+from {{ cookiecutter.package_name }}.engine.task import build_task
 from {{ cookiecutter.package_name }}.engine.tracking import build_trackers
 
 from .conftest import CONFIG_DIR, require_trackers
@@ -52,7 +52,7 @@ def test_options_were_found():
     groups = {group for group, _ in OPTIONS}
     assert len(OPTIONS) >= 15
     assert {"model", "data", "optimizer", "scheduler", "trainer", "seeding", "parallel"} <= groups
-    assert {"tracker", "checkpoint", "preflight"} <= groups
+    assert {"tracker", "checkpoint", "preflight", "task", "callbacks"} <= groups
 
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
@@ -79,6 +79,7 @@ def test_option_composes_and_instantiates(group, option, compose_cfg, tmp_path):
     check_config(resolved)
 
     # Build the real objects every run builds from this config.
+    task = build_task(resolved.task)
     model = build(resolved.model)
     optimizer = instantiate(resolved.optimizer)(task.param_groups(model))
     scheduler = instantiate(resolved.scheduler)(optimizer, total_steps=100)
@@ -96,9 +97,9 @@ def test_option_composes_and_instantiates(group, option, compose_cfg, tmp_path):
         assert resolved.deterministic is (option == "deterministic")
     if group == "parallel":
         assert resolved.parallel.mode == option
-    if group in ("model", "data"):  # the object its _target_ names was built
+    if group in ("model", "data", "task"):  # the object its _target_ names was built
         target = get_object(resolved[group]._target_)
-        built = model if group == "model" else loaders
+        built = {"model": model, "data": loaders, "task": task}[group]
         assert isinstance(built, target) if isinstance(target, type) else built is not None
     if group == "preflight":
         assert resolved.preflight.enabled is (option == "default")

@@ -18,7 +18,6 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from {{ cookiecutter.package_name }} import task
 from {{ cookiecutter.package_name }}.engine import fsdp
 from {{ cookiecutter.package_name }}.engine.checkpoint import folder, save, sharded, ties
 from {{ cookiecutter.package_name }}.engine.checkpoint.__main__ import main as checkpoint_cli
@@ -229,14 +228,17 @@ def test_a_save_failing_on_its_tensors_gives_no_disk_advice(tmp_path):
 
 
 def test_the_task_reads_the_logits_of_an_output_object():
+    from {{ cookiecutter.package_name }}.tasks.language_model import LanguageModel
+
     needs_transformers()
+    task = LanguageModel()
     model = gpt2(vocab_size=32, seq_len=16)
     batch = (torch.randint(0, 32, (2, 16)), torch.randint(0, 32, (2, 16)))
     loss, logs = task.loss(model=model, batch=batch)
     assert loss.ndim == 0 and logs["acc"].ndim == 0
     predicted = task.predict(model=model, batch=batch)  # an LM's: per sequence
     assert predicted["loss"].shape == predicted["perplexity"].shape == (2,)
-    with pytest.raises(TypeError, match=r"returned dict; task\.py expects logits"):
+    with pytest.raises(TypeError, match=r"returned dict; LanguageModel expects logits"):
         task.logits({"scores": torch.zeros(2)})
 
 

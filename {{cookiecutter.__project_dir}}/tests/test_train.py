@@ -241,38 +241,46 @@ def test_default_run_reaches_95_percent(train_run):
     assert math.isfinite(summary["metrics"]["val/loss"])
 
 
-def test_the_loop_step_is_accelerates_step_bit_for_bit():
-    """state.optimizer_step passes by accelerate's accumulate context (one
-    micro-batch per step), its clip_grad_norm_ (plain setups) and its wrapper's
-    zero_grad: the same weights and norms, bit for bit, as accelerate's own calls."""
+def test_the_tasks_default_step_is_accelerates_step_bit_for_bit():
+    """The task's default training_step through the engine's Step passes by accelerate's
+    accumulate context (one micro-batch per step), its clip_grad_norm_ (plain setups)
+    and its wrapper's zero_grad: the same weights and norms, bit for bit, as
+    accelerate's own calls."""
     import copy
 
     from accelerate import Accelerator
 
-    from {{ cookiecutter.package_name }} import task
     from {{ cookiecutter.package_name }}.engine.agreement import StepAgreement
     from {{ cookiecutter.package_name }}.engine.nonfinite import LossGuard
     from {{ cookiecutter.package_name }}.engine.preemption import StopSignals
-    from {{ cookiecutter.package_name }}.engine.state import TrainState, optimizer_step
+    from {{ cookiecutter.package_name }}.engine.step import Step
+    from {{ cookiecutter.package_name }}.tasks.classification import Classification
 
     torch.manual_seed(0)
+    task = Classification()
     accelerator = Accelerator(cpu=True)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
     ours, theirs = net, copy.deepcopy(net)
     ours_opt = accelerator.prepare(torch.optim.AdamW(ours.parameters(), lr=0.1))
     theirs_opt = accelerator.prepare(torch.optim.AdamW(theirs.parameters(), lr=0.1))
-    state = TrainState(ours, ours_opt, None, train_loader=[], val_loader=[])
     guard = StepAgreement(
         accelerator=accelerator,
         guard=LossGuard("stop", accelerator),
         signals=StopSignals(enabled=False),
         every_n_steps=4,
     )
+    verbs = Step(
+        accelerator=accelerator,
+        agreement=guard,
+        clip_norm=0.1,
+        models={"model": ours},
+        optimizers={"optimizer": ours_opt},
+    )
     for step in range(4):
         batch = [torch.randn(32, 8) * (10 if step == 1 else 1), torch.randint(0, 3, (32,))]
-        loss, _, norm = optimizer_step(
-            accelerator=accelerator, state=state, batch=batch, agreement=guard, clip_norm=0.1
-        )
+        loss, _ = task.training_step(step=verbs, batch=batch)
+        assert verbs.update_done()
+        norm = verbs.grad_norm
         with accelerator.accumulate(theirs):
             their_loss, _ = task.loss(model=theirs, batch=batch)
             accelerator.backward(their_loss)

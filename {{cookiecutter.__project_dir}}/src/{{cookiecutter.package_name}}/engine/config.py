@@ -440,6 +440,7 @@ ALLOWED_CONFIG_CHANGES = (
     "trainer.compile",
     "trainer.peak_tflops",
     "tracker",
+    "callbacks",  # actions at events; a callback's state is restored when it is there
     "checkpoint",
     "run_name",
     "project",

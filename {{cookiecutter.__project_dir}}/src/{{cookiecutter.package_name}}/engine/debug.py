@@ -106,6 +106,10 @@ class Debug:
         if self.profile:
             self._start_profiler()
 
+    def on_step_end(self, run: Any) -> None:
+        """The loop's event (callbacks.py): a step was taken (the profiler's window)."""
+        self.step()
+
     def step(self) -> None:
         """After every optimizer step."""
         if self._profiler is not None:

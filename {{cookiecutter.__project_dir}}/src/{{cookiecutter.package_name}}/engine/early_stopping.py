@@ -58,6 +58,10 @@ class EarlyStopping:
     def best(self) -> float | None:
         return self.book.best_of(self.monitor, self.mode, self.min_delta).value
 
+    def on_eval_end(self, run: Any, metrics: dict[str, float]) -> None:
+        """The loop's event (callbacks.py): the patience runs on after an evaluation."""
+        self.observe(run.step)
+
     def observe(self, step: int) -> bool:
         """After an evaluation at ``step`` (its metrics in the book): True when training
         should stop now."""

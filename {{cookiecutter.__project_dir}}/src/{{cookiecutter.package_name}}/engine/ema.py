@@ -1,5 +1,5 @@
 """An exponential moving average of the weights (``trainer.ema``): updated after
-every optimizer step, evaluated as ``val_ema/*`` through task.py, saved in every
+every optimizer step, evaluated as ``val_ema/*`` by the task, saved in every
 checkpoint as ``ema.safetensors`` (a stateful extra whose state is tensors) and
 restored bit-exactly; eval.py/predict.py/load_model pick it with ``weights=ema``.
 
@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from .. import task
 from .checkpoint.full_state import plain_model
 from .config import ConfigError, require
 
@@ -55,14 +54,18 @@ class WeightAverage:
         """For TrainState.stateful: saved in checkpoints only when enabled."""
         return {"ema": self} if self.enabled else {}
 
+    def on_step_end(self, run: Any) -> None:
+        """The loop's event (callbacks.py): average the weights of the step just taken."""
+        self.update(run.model)
+
     @torch.no_grad()
     def update(self, model: torch.nn.Module) -> None:
         """After an optimizer step (the first one copies the weights)."""
         if self.averaged is not None:
             self.averaged.update_parameters(self._plain(model))
 
-    def evaluate(self, *, loader: Any, accelerator: Any) -> dict[str, float]:
-        """task.evaluate of the average, named ``val_ema/*``; a collective like it."""
+    def evaluate(self, *, task: Any, loader: Any, accelerator: Any) -> dict[str, float]:
+        """``task.evaluate`` of the average, named ``val_ema/*``; a collective like it."""
         if self.averaged is None:
             return {}
         metrics = task.evaluate(model=self.averaged.module, loader=loader, accelerator=accelerator)
@@ -76,8 +79,9 @@ class WeightAverage:
         self.averaged.load_state_dict(state)
 
 
-def metric_names(ema: Any) -> tuple[str, ...]:
-    """The metrics ``evaluate`` logs for the config section ``trainer.ema``."""
+def metric_names(ema: Any, metrics: tuple[str, ...]) -> tuple[str, ...]:
+    """The metrics ``evaluate`` logs for the config section ``trainer.ema``, of a task
+    whose evaluation returns ``metrics``."""
     if not (ema or {}).get("enabled", False):
         return ()
-    return tuple("val_ema/" + name.split("/", 1)[1] for name in task.METRICS)
+    return tuple("val_ema/" + name.split("/", 1)[1] for name in metrics)

@@ -1,8 +1,8 @@
-"""eval.py's and predict.py's work, on every rank: a checkpoint's model through
-task.py over the data's splits; ``eval.json`` (metrics, checkpoint, step, the
-config's differences from the training run) and ``predictions.csv`` (one row per
-sample, in dataset order, gathered across ranks without the distributed
-sampler's padding). docs/lifecycle.md.
+"""eval.py's and predict.py's work, on every rank: a checkpoint's model through the
+run's task (built from its config) over the data's splits; ``eval.json`` (metrics,
+checkpoint, step, the config's differences from the training run) and
+``predictions.csv`` (one row per sample, in dataset order, gathered across ranks
+without the distributed sampler's padding). docs/lifecycle.md.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, RandomSampler
 
-from .. import task
 from .accel import build_accelerator
 from .checkpoint import CheckpointError
 from .checkpoint import format as fmt
@@ -47,6 +46,7 @@ from .inference import (
 from .launch import LaunchError, run
 from .logs import setup_rank_logging
 from .run_dir import hydra_run_dir, made_by_this_launch
+from .task import build_task
 
 log = logging.getLogger(__name__)
 SPLITS = ("val", "test", "train")  # loader attributes of the data module's result
@@ -84,6 +84,7 @@ def prepare(raw: DictConfig) -> tuple[DictConfig, Path]:
         cfg = run_config(saved, composed, list(HydraConfig.get().overrides.task))
         cfg.ckpt, cfg.ckpt_pick = str(ckpt), "best"  # every worker loads exactly this one
         check_config(cfg)
+        build_task(cfg.task, predicts=cfg.predict)  # a task without them: exit 2 now
     except (ConfigError, CheckpointError):
         made_by_this_launch(out_dir, remove=True)  # the empty folders Hydra made: nothing left
         raise
@@ -91,8 +92,9 @@ def prepare(raw: DictConfig) -> tuple[DictConfig, Path]:
     return cfg, out_dir
 
 
-def _prepare(cfg: DictConfig, out_dir: Path) -> tuple[Any, Any, Any]:
-    """(accelerator, loaded checkpoint with the model on its device, data loaders)."""
+def _prepare(cfg: DictConfig, out_dir: Path) -> tuple[Any, Any, Any, Any]:
+    """(accelerator, loaded checkpoint with the model on its device, data loaders, the
+    run's task)."""
     accelerator = build_accelerator(cfg, out_dir)
     setup_rank_logging(out_dir)
     loaded = load_checkpoint(cfg.ckpt, cfg.ckpt_pick, cfg.weights, model_config=cfg.model)
@@ -100,7 +102,7 @@ def _prepare(cfg: DictConfig, out_dir: Path) -> tuple[Any, Any, Any]:
     # holds the whole model and evaluates its shard of the data.
     loaded.model = accelerator.prepare_model(loaded.model, evaluation_mode=True)
     loaders = instantiate(cfg.data, what="data")
-    return accelerator, loaded, loaders
+    return accelerator, loaded, loaders, build_task(cfg.task)
 
 
 def _split(loaders: Any, split: str, accelerator: Any) -> Any:
@@ -117,7 +119,7 @@ def _split(loaders: Any, split: str, accelerator: Any) -> Any:
 def evaluate(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     """task.evaluate on the validation split and on a test split when the data
     has one (its metrics renamed ``test/*``); the main process writes eval.json."""
-    accelerator, loaded, loaders = _prepare(cfg, out_dir)
+    accelerator, loaded, loaders, task = _prepare(cfg, out_dir)
     metrics = task.evaluate(
         model=loaded.model, loader=_split(loaders, "val", accelerator), accelerator=accelerator
     )
@@ -139,7 +141,8 @@ def evaluate(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         ),
     }
     if cfg.get("predict", False):
-        report["predictions"] = str(_write_predictions(cfg, out_dir, accelerator, loaded, loaders))
+        written = _write_predictions(cfg, out_dir, accelerator, loaded, loaders, task)
+        report["predictions"] = str(written)
     if accelerator.is_main_process:
         write_json_atomic(out_dir / "eval.json", report)
     log.info(
@@ -154,8 +157,8 @@ def evaluate(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
 
 def predict(cfg: DictConfig, out_dir: Path) -> Path:
     """predictions.csv for ``cfg.split``; returns its path."""
-    accelerator, loaded, loaders = _prepare(cfg, out_dir)
-    path = _write_predictions(cfg, out_dir, accelerator, loaded, loaders)
+    accelerator, loaded, loaders, task = _prepare(cfg, out_dir)
+    path = _write_predictions(cfg, out_dir, accelerator, loaded, loaders, task)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return path
@@ -163,7 +166,7 @@ def predict(cfg: DictConfig, out_dir: Path) -> Path:
 
 @torch.no_grad()
 def _write_predictions(
-    cfg: DictConfig, out_dir: Path, accelerator: Any, loaded: Any, loaders: Any
+    cfg: DictConfig, out_dir: Path, accelerator: Any, loaded: Any, loaders: Any, task: Any
 ) -> Path:
     """One row per sample: ``index`` and the columns ``task.predict`` returns (the
     example: ``prediction,target`` for classes; ``loss,perplexity,tokens`` per sequence

@@ -19,13 +19,13 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from .. import task
 from .checkpoint import CheckpointError
 from .config import ConfigError, require
 from .evaluation import prepare
 from .files import write_atomic, write_json_atomic
 from .fits import model_positions
 from .inference import load_checkpoint
+from .task import build_task
 from .tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ def generate(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     check_settings(cfg)
     loaded = load_checkpoint(cfg.ckpt, cfg.ckpt_pick, cfg.weights, model_config=cfg.model)
     model = loaded.model.eval()
+    task = build_task(cfg.task)
     data = cfg.data
     tokenizer = (
         load_tokenizer(data.tokenizer, data.get("eos_token", "<|endoftext|>"))

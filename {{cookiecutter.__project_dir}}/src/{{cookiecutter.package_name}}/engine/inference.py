@@ -31,8 +31,16 @@ WEIGHTS = ("raw", "ema")
 EMA_FILE = "ema.safetensors"  # the ``ema`` stateful extra (ema.py), saved as tensors
 # What eval.py/predict.py take from the trained run's config (so the model and
 # data match what was trained); everything else comes from their own config.
-FROM_RUN = ("model", "data", "seed", "deterministic", "trainer.mixed_precision", "trainer.compile")
-BUILT_FROM_RUN = ("model", "data")  # of those, what names code (``_target_``)
+FROM_RUN = (
+    "task",
+    "model",
+    "data",
+    "seed",
+    "deterministic",
+    "trainer.mixed_precision",
+    "trainer.compile",
+)
+BUILT_FROM_RUN = ("task", "model", "data")  # of those, what names code (``_target_``)
 
 
 @dataclass

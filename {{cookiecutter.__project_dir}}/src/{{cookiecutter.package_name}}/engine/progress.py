@@ -14,6 +14,7 @@ import datetime
 import logging
 import sys
 import time
+from typing import Any
 
 from accelerate import PartialState
 from tqdm import tqdm
@@ -38,6 +39,10 @@ class Progress:
         self._start = self._mark = self.clock.training_s()
         self._start_step = self._mark_step = initial_step
         self._wall_start = time.perf_counter()
+
+    def on_step_end(self, run: Any) -> None:
+        """The loop's event (callbacks.py): a step was taken."""
+        self.advance()
 
     def advance(self) -> None:
         self.bar.update(1)

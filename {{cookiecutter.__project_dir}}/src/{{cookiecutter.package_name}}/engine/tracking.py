@@ -16,7 +16,6 @@ from accelerate.tracking import GeneralTracker
 from accelerate.utils import DistributedType
 from omegaconf import DictConfig, OmegaConf
 
-from .. import task
 from . import upstream
 from .checkpoint import ResumePlan
 from .checkpoint import format as fmt
@@ -194,7 +193,9 @@ def watch_model(accelerator: Any, model: torch.nn.Module) -> None:
     tracker.run.watch(accelerator.unwrap_model(model), **tracker.watch_settings)
 
 
-def log_final_model(accelerator: Any, cfg: DictConfig, run_dir: Path, loader: Any) -> None:
+def log_final_model(
+    accelerator: Any, cfg: DictConfig, run_dir: Path, loader: Any, *, task: Any
+) -> None:
     """MLflow: ``model.safetensors`` as an artifact and, with
     ``tracker.mlflow.log_model``, the model exported with torch.export on the
     inputs (``task.inputs``) of a batch of ``loader``, read only then (no pickle:

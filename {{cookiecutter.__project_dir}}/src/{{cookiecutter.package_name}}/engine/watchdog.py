@@ -141,6 +141,10 @@ class Watchdog:
         self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
         self._thread.start()
 
+    def on_step_end(self, run: Any) -> None:
+        """The loop's event (callbacks.py): a step was taken."""
+        self.step(run.step)
+
     def step(self, step: int) -> None:
         """An optimizer step is done."""
         if not self.enabled:

@@ -176,6 +176,8 @@ class CheckpointManager:
                     obj.load_state_dict(trainer["stateful"][name])
                 elif f"{name}.safetensors" in loaded:  # an extra whose state is tensors
                     obj.load_state_dict(loaded[f"{name}.safetensors"])
+                else:  # e.g. a callback added since that checkpoint
+                    log.warning(f"{ckpt} holds no state of {name!r}: it starts afresh")
             if self.agreement is not None and "loss_guard" in trainer:
                 self.agreement.guard.load_state_dict(trainer["loss_guard"])
             set_rng_state(loaded[rng_name])  # last: nothing after this draws numbers
@@ -217,10 +219,10 @@ class CheckpointManager:
             return None
         return self.save(step, epoch, batch, reasons)
 
-    def finish(self, *, metrics: dict, stop: bool) -> None:
+    def finish(self, *, metrics: dict, stop: bool) -> Path | None:
         """After the loop: the final save (``save_last``; after a stop signal,
         the stop checkpoint) and the save in flight committed on every rank,
-        at the state's position."""
+        at the state's position. Returns the final save's folder (None: none made)."""
         step, epoch, batch = (
             self.state.position.step,
             self.state.position.epoch,
@@ -228,11 +230,13 @@ class CheckpointManager:
         )
         self._metrics = dict(metrics)
         last = self.ck.get("save_last", True) or stop
+        saved = None
         if self.enabled and last and self._last_saved_step != step:
-            self.save(step, epoch, batch, ["signal" if stop else "last"])
+            saved = self.save(step, epoch, batch, ["signal" if stop else "last"])
         if self.enabled and self.asynchronous:
             self.wait()
             self.accelerator.wait_for_everyone()  # the main process has committed
+        return saved
 
     def save(self, step: int, epoch: int, batch: int, reasons: list[str]) -> Path:
         """Write one checkpoint with the atomic protocol (module docstring).

@@ -1,9 +1,9 @@
 """Preflight's probe: a checkpoint round trip around real, timed training steps.
 
 The starting state is saved with the run's own checkpoint code, steps are timed
-through the loop's own ``optimizer_step`` (task.py's loss, the NaN guard,
-clipping), a second save sizes a checkpoint, and loading the first puts the
-state back, compared tensor for tensor. docs/preflight.md.
+through the task's own ``training_step`` (its loss, the NaN guard, clipping), a
+second save sizes a checkpoint, and loading the first puts the state back,
+compared tensor for tensor. docs/preflight.md.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from ... import task
 from ..agreement import StepAgreement
 from ..checkpoint import CheckpointError, CheckpointManager
 from ..checkpoint import format as fmt
 from ..nonfinite import LossGuard
 from ..preemption import StopSignals
-from ..state import TrainState, optimizer_step, rng_state
+from ..state import TrainState, rng_state
+from ..step import Step
 from .checks import Check, PreflightFailed, local_bytes, mib, sync
 
 
@@ -219,6 +219,13 @@ def _time_steps(cfg: DictConfig, acc: Any, state: TrainState) -> Timing:
         signals=StopSignals(enabled=False),
         every_n_steps=cfg.trainer.log_every_n_steps,
     )
+    step = Step(
+        accelerator=acc,
+        agreement=guard,
+        clip_norm=cfg.trainer.grad_clip_norm,
+        models=state.step.models,
+        optimizers=state.step.optimizers,
+    )
     pf, trainer = cfg.preflight, cfg.trainer
     timing = Timing()
     device = acc.device
@@ -229,13 +236,13 @@ def _time_steps(cfg: DictConfig, acc: Any, state: TrainState) -> Timing:
             torch.cuda.reset_peak_memory_stats(device)
         model.train()
         for _ in range(pf.warmup_steps):
-            _train_step(acc, state, guard, batches, trainer.grad_clip_norm)
+            _train_step(state, step, batches)
         sync(device)
         counts = [0, 0]  # samples, tokens
         started = time.perf_counter()
         each = []  # seconds of every timed step
         for _ in range(pf.timed_steps):
-            _add(counts, _train_step(acc, state, guard, batches, trainer.grad_clip_norm))
+            _add(counts, _train_step(state, step, batches))
             sync(device)
             each.append(time.perf_counter() - started - sum(each))
         # More steps while they took under min_timed_seconds and their times
@@ -252,7 +259,7 @@ def _time_steps(cfg: DictConfig, acc: Any, state: TrainState) -> Timing:
         more = min(_max_over_ranks(acc, more), 100 * steps)
         if more:
             for _ in range(more):
-                _add(counts, _train_step(acc, state, guard, batches, trainer.grad_clip_norm))
+                _add(counts, _train_step(state, step, batches))
             steps += more
             sync(device)
         timing.steps = steps
@@ -287,7 +294,7 @@ def _time_steps(cfg: DictConfig, acc: Any, state: TrainState) -> Timing:
                 val_batches = _cycle(val_loader)
                 started = time.perf_counter()
                 for _ in range(n_eval):
-                    model(task.inputs(batch=next(val_batches)))
+                    model(state.task.inputs(batch=next(val_batches)))
                 sync(device)
             timing.eval_s = (time.perf_counter() - started) / n_eval * len(val_loader)
             model.train()
@@ -306,18 +313,17 @@ def _time_steps(cfg: DictConfig, acc: Any, state: TrainState) -> Timing:
     return timing
 
 
-def _train_step(
-    acc: Any, state: TrainState, guard: StepAgreement, batches: Iterator, clip: float | None
-) -> tuple[int, int]:
-    """One optimizer step (all its micro-batches) through the loop's own
-    ``optimizer_step``; returns the samples and tokens used (task.py counts)."""
+def _train_step(state: TrainState, step: Step, batches: Iterator) -> tuple[int, int]:
+    """One optimizer step (all its micro-batches) through the task's own
+    ``training_step``, as the loop takes it; returns the samples and tokens used
+    (the task counts them)."""
     samples = tokens = 0
     while True:
         batch = next(batches)
-        counted = task.batch_size(batch=batch)
+        counted = state.task.batch_size(batch=batch)
         samples, tokens = samples + counted[0], tokens + (counted[1] or 0)
-        optimizer_step(accelerator=acc, state=state, batch=batch, agreement=guard, clip_norm=clip)
-        if acc.sync_gradients:
+        state.task.training_step(step=step, batch=batch)
+        if step.update_done():
             break
     state.scheduler.step()
     return samples, tokens

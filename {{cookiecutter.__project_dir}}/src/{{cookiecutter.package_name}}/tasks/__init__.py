@@ -1,0 +1,1 @@
+"""The project's tasks, one class each, picked with ``task=NAME`` (configs/task/)."""

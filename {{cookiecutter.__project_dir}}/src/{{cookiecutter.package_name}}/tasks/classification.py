@@ -1,0 +1,62 @@
+"""Classification: a batch is ``(inputs, labels)``, the model returns logits
+``(batch, classes)`` as a tensor or as an object with ``.logits`` (a Hugging Face
+output). The loss is cross-entropy, logged beside it is the accuracy; ``predict``
+gives the most likely class. The training step, the evaluation and the parameter
+groups are the defaults (engine/task.py's ``TaskDefaults``: override any of them
+here). The digits' MLP and CNN train with it (``task=classification``).
+"""
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..contract import TaskDefaults
+
+
+class Classification(TaskDefaults):
+    # What ``evaluate`` returns: ``trainer.monitor`` is one of these, or a train/<name>
+    # the loop logs (train/loss and loss's logs).
+    metrics = ("val/loss", "val/acc")
+
+    def inputs(self, *, batch: Any) -> Any:
+        """What the model is called with."""
+        return batch[0]
+
+    def targets(self, *, batch: Any) -> torch.Tensor:
+        return batch[1]
+
+    def batch_size(self, *, batch: Any) -> tuple[int, int | None]:
+        """(samples, tokens) in a batch; tokens is None: a sample is one prediction."""
+        return len(self.targets(batch=batch)), None
+
+    def logits(self, output: Any) -> torch.Tensor:
+        """The model's logits: its output, or the output's ``.logits``."""
+        found = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
+        if not isinstance(found, torch.Tensor):
+            raise TypeError(
+                f"the model returned {type(output).__name__}; {type(self).__name__} expects "
+                "logits: a tensor, or an object with a .logits tensor (a Hugging Face output)"
+            )
+        return found
+
+    def loss(
+        self, *, model: torch.nn.Module, batch: Any
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The objective of one micro-batch, and what to log beside it: the loop averages
+        each log over its log window as ``train/<name>``, ``evaluate`` over the
+        validation set as ``val/<name>``. Return the loss alone when there is nothing."""
+        out, y = self.logits(model(self.inputs(batch=batch))), self.targets(batch=batch)
+        accuracy = (out.detach().argmax(dim=-1) == y).float().mean()
+        return cross_entropy(out, y), {"acc": accuracy}
+
+    @torch.no_grad()
+    def predict(self, *, model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        """What predict.py writes per sample, a column each."""
+        out = self.logits(model(self.inputs(batch=batch)))
+        return {"prediction": out.argmax(dim=-1), "target": self.targets(batch=batch)}
+
+
+def cross_entropy(out: torch.Tensor, y: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """Class labels (batch,) or token targets (batch, positions): both flatten to rows."""
+    return F.cross_entropy(out.flatten(0, -2), y.flatten(), **kwargs)
