@@ -238,6 +238,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         f"{pkg}/engine/throughput.py",
         f"{pkg}/engine/trackers.py",
         f"{pkg}/engine/tracking.py",
+        f"{pkg}/engine/media.py",
         f"{pkg}/engine/checkpoint/__init__.py",
         f"{pkg}/engine/checkpoint/__main__.py",
         f"{pkg}/engine/checkpoint/checksums.py",

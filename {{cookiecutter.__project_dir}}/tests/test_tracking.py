@@ -3,9 +3,11 @@ MLflow's MlflowClient and model loader, W&B's offline run file (its protobuf
 records), the CSV with the csv module. Real train.py runs: all trackers at once
 in one process and under 2-process DDP (one run per tracker), a stopped run
 that resumes the same W&B and MLflow runs, a missing package, a shared MLflow
-store created by parallel jobs."""
+store created by parallel jobs; media (images, histograms, texts) logged through
+real trackers in-process."""
 
 import csv
+import io
 import json
 import os
 import signal
@@ -16,6 +18,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -94,7 +97,8 @@ def tensorboard_hparams(events) -> tuple[dict, list[str]]:
 
 
 def wandb_runs(run_dir: Path) -> list[dict]:
-    """Each offline run folder: run id, config keys and {step: logged keys}.
+    """Each offline run folder: run id, config keys, {step: logged keys}, the
+    logged values ({step: {key: value_json}}) and the folder.
 
     W&B 0.31 ships no Python reader for its ``.wandb`` files; the format is a
     LevelDB-style log (header ``:W&B`` + 0xBEE1 + version, 32 KiB blocks of
@@ -106,7 +110,8 @@ def wandb_runs(run_dir: Path) -> list[dict]:
         (path,) = folder.glob("run-*.wandb")
         data = path.read_bytes()
         assert data[:4] == b":W&B", path
-        pos, block, chunk, run = 7, 32768, b"", {"config": set(), "history": {}}
+        pos, block, chunk = 7, 32768, b""
+        run = {"config": set(), "history": {}, "values": {}, "folder": folder}
         while pos + 7 <= len(data):
             if block - pos % block < 7:  # a block's tail too short for a header
                 pos += block - pos % block
@@ -126,6 +131,7 @@ def wandb_runs(run_dir: Path) -> list[dict]:
             elif which == "history":
                 items = {i.key or "/".join(i.nested_key): i.value_json for i in record.history.item}
                 run["history"][int(items["_step"])] = set(items)
+                run["values"].setdefault(int(items["_step"]), {}).update(items)
         runs.append(run)
     return runs
 
@@ -373,3 +379,148 @@ def test_parallel_jobs_share_one_mlflow_store(tmp_path, env):
     assert params["model/a_b_0_"] == "1" and params["tags"] == "[1, 2]" and params["x/y"] == "2"
     assert params["k" * 250] == "v" * 6000
     assert experiment.artifact_location == str(store.parent / "mlflow-artifacts")
+
+
+# --- media: images, histograms, texts -----------------------------------------------
+
+
+@pytest.fixture
+def offline(tmp_path, monkeypatch):
+    """The ``env`` fixture's settings for trackers started in this process."""
+    for var in [v for v in os.environ if v.startswith(("WANDB_", "MLFLOW_"))]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")  # restored after the test
+    (tmp_path / "home").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+
+
+def png_pixels(data: bytes) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(data)))
+
+
+def test_media_reach_every_tracker_and_read_back(tmp_path, offline):
+    """One image (a float C,H,W tensor), a grey uint8 array, a histogram and a text
+    through real trackers started in this process; each read back with the
+    tracker's own reader: the same pixels, counts and text everywhere, and no
+    media in metrics.csv."""
+    require_trackers("tensorboard", "wandb", "mlflow")
+    from accelerate import Accelerator
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from {{ cookiecutter.package_name }}.engine.media import Media
+    from {{ cookiecutter.package_name }}.engine.trackers import (
+        CSVTracker,
+        MLflowTracker,
+        TensorBoardTracker,
+        WandBTracker,
+    )
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    trackers = [CSVTracker(run_dir), TensorBoardTracker(run_dir)]
+    trackers += [WandBTracker("media", run_dir), MLflowTracker("media", run_dir)]
+    accelerator = Accelerator(cpu=True, log_with=trackers)
+    media = Media(accelerator, run_dir)  # before the trackers start, as train.py may
+    accelerator.init_trackers("media")
+    generator = torch.Generator().manual_seed(0)
+    image = torch.rand(3, 6, 8, generator=generator)
+    grey = np.arange(12 * 5, dtype=np.uint8).reshape(12, 5) * 4
+    values = torch.randn(1000, generator=generator)
+    text = "step 5: *ünïcode* text\nsecond line"
+    accelerator.log({"train/loss": 1.0}, step=5)
+    media.image("val/samples", image, step=5)
+    media.image("grey", grey, step=5)
+    media.histogram("weights", values, step=5)
+    media.text("gen/text", text, step=5)
+    accelerator.end_training()
+
+    pixels = (image * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    counts, edges = np.histogram(values.double().numpy(), bins=64)
+
+    # csv: files in the run dir; metrics.csv has the scalar only.
+    step_dir = run_dir / "media" / "step_0000005"
+    np.testing.assert_array_equal(png_pixels((step_dir / "val/samples.png").read_bytes()), pixels)
+    np.testing.assert_array_equal(png_pixels((step_dir / "grey.png").read_bytes()), grey)
+    saved = json.loads((step_dir / "weights.json").read_text())
+    assert saved["counts"] == counts.tolist() and saved["edges"] == edges.tolist()
+    assert saved["num"] == 1000 and saved["max"] == pytest.approx(values.max().item())
+    assert (step_dir / "gen/text.txt").read_text(encoding="utf-8") == text
+    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
+    assert [(r["step"], r["name"]) for r in rows] == [("5", "train/loss")]
+
+    # TensorBoard: image, histogram and text events at step 5 in the run's event file.
+    guidance = {"images": 0, "histograms": 0, "tensors": 0}
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance=guidance)
+    events.Reload()
+    (shown,) = events.Images("val/samples")
+    assert shown.step == 5 and (shown.width, shown.height) == (8, 6)
+    np.testing.assert_array_equal(png_pixels(shown.encoded_image_string), pixels)
+    (shown,) = events.Images("grey")  # shown as RGB, three equal channels
+    np.testing.assert_array_equal(png_pixels(shown.encoded_image_string), np.stack([grey] * 3, 2))
+    (hist,) = events.Histograms("weights")
+    assert hist.step == 5 and list(hist.histogram_value.bucket) == counts.tolist()
+    assert list(hist.histogram_value.bucket_limit) == edges[1:].tolist()
+    (written,) = events.Tensors("gen/text/text_summary")
+    assert written.step == 5 and written.tensor_proto.string_val[0].decode() == text
+
+    # W&B: the run's history at step 5 (W&B flattens a value's fields to
+    # <key>/<field>); the image and the table are files of the run.
+    (run,) = wandb_runs(run_dir)
+    logged = {k: json.loads(v) for k, v in run["values"][5].items()}
+    files = run["folder"] / "files"
+    assert logged["val/samples/_type"] == "image-file"
+    np.testing.assert_array_equal(
+        png_pixels((files / logged["val/samples/path"]).read_bytes()), pixels
+    )
+    assert logged["weights/_type"] == "histogram"
+    assert logged["weights/values"] == counts.tolist()
+    assert logged["weights/bins"] == edges.tolist()
+    assert logged["gen/text/_type"] == "table-file"
+    table = json.loads((files / logged["gen/text/path"]).read_text())
+    assert table["columns"] == ["text"] and table["data"] == [[text]]
+
+    # MLflow: artifacts under media/step_0000005/.
+    client = mlflow_client(run_dir)
+    (found,) = mlflow_runs(client)
+    run_id = found.info.run_id
+    listed = {a.path for a in client.list_artifacts(run_id, "media/step_0000005")}
+    assert listed == {f"media/step_0000005/{p}" for p in ("val", "grey.png", "weights.json", "gen")}
+    local = Path(client.download_artifacts(run_id, "media", str(tmp_path / "mlflow")))
+    np.testing.assert_array_equal(
+        png_pixels((local / "step_0000005/val/samples.png").read_bytes()), pixels
+    )
+    assert json.loads((local / "step_0000005/weights.json").read_text()) == saved
+    assert (local / "step_0000005/gen/text.txt").read_text(encoding="utf-8") == text
+
+
+def test_media_bad_input_is_one_clear_error_and_nothing_written(tmp_path):
+    """Checked before any tracker sees it (csv here: no file): the bad value and
+    what is allowed."""
+    from accelerate import Accelerator
+
+    from {{ cookiecutter.package_name }}.engine.media import Media
+    from {{ cookiecutter.package_name }}.engine.trackers import CSVTracker
+
+    accelerator = Accelerator(cpu=True, log_with=[CSVTracker(tmp_path)])
+    accelerator.init_trackers("media")
+    media = Media(accelerator, tmp_path)
+    bad = [
+        (lambda: media.image("../up", torch.zeros(4, 4), step=1), r"name '\.\./up': use letters"),
+        (lambda: media.image("a", torch.zeros(4, 4), step=-1), r"step=-1, a non-negative int"),
+        (lambda: media.image("a", torch.zeros(2, 4, 4), step=1), r"\(2, 4, 4\); a tensor is C"),
+        (lambda: media.image("a", np.zeros((3, 4, 5)), step=1), r"\(3, 4, 5\); an array is H"),
+        (lambda: media.image("a", torch.full((4, 4), 2.0), step=1), r"from 2\.0 to 2\.0; a float"),
+        (lambda: media.image("a", torch.zeros(4, 4, dtype=torch.int64), step=1), "dtype int64"),
+        (lambda: media.image("a", [[0.5]], step=1), "got list"),
+        (lambda: media.histogram("h", [1.0, float("nan")], step=1), "not finite"),
+        (lambda: media.histogram("h", [], step=1), "no values"),
+        (lambda: media.histogram("h", [1.0], step=1, bins=0), r"bins=0; an int in 1\.\.512"),
+        (lambda: media.text("t", 3, step=1), "a str is needed, got int"),
+    ]
+    for call, message in bad:
+        with pytest.raises((ValueError, TypeError), match=message):
+            call()
+    accelerator.end_training()
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.csv"]  # no media/
