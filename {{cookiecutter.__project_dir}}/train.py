@@ -61,6 +61,7 @@ from {{ cookiecutter.package_name }}.engine.launch import (
 )
 from {{ cookiecutter.package_name }}.engine.loaders import batches_per_epoch, continue_epoch, run_length
 from {{ cookiecutter.package_name }}.engine.logs import setup_rank_logging
+from {{ cookiecutter.package_name }}.engine.media import Media
 from {{ cookiecutter.package_name }}.engine.metrics import MetricBook, WindowMeans
 from {{ cookiecutter.package_name }}.engine.nonfinite import LossGuard, NonFiniteLoss
 from {{ cookiecutter.package_name }}.engine.preemption import StopSignals, TrainingInterrupted
@@ -295,6 +296,7 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
         run_dir=run_dir,
         task=task,
         models=step_verbs.models,
+        media=Media(accelerator, run_dir),  # images, histograms, texts to every tracker
         total_steps=total_steps,
         step=step,
         extras={"val_loader": val_loader},

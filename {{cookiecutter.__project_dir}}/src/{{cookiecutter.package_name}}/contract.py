@@ -1,6 +1,7 @@
-"""What the owner's files (``tasks/``, ``models/``, ``data/``) use of the engine, and
-all they use of it: a task subclasses ``TaskDefaults`` (the interface is ``Task``; its
-``training_step`` takes the ``Step``'s verbs), averages its evaluation with
+"""What the owner's files (``tasks/``, ``models/``, ``data/``, ``callbacks/``) use of the
+engine, and all they use of it: a callback subclasses ``Callback``; a task subclasses
+``TaskDefaults`` (the interface is ``Task``; its ``training_step`` takes the ``Step``'s
+verbs), averages its evaluation with
 ``average_over_batches`` and groups the parameters with ``decay_groups``; a model or
 data function checks its arguments with ``require`` (a bad value is a ``ConfigError``:
 exit 2 before any work); a data function returns ``make_loaders(...)``, and text data
@@ -10,6 +11,7 @@ docs/data.md).
 """
 
 from .engine.batch_means import average_over_batches
+from .engine.callbacks import Callback
 from .engine.config import ConfigError, require
 from .engine.files import locked
 from .engine.loaders import DataLoaders, make_loaders
@@ -24,6 +26,7 @@ LOADER_KEYS = ("num_workers", "pin_memory", "val_batch_size")
 
 __all__ = [
     "LOADER_KEYS",
+    "Callback",
     "ConfigError",
     "DataLoaders",
     "Step",

@@ -1,0 +1,2 @@
+"""The project's callbacks: actions at the loop's events, picked with
+``callbacks=NAME`` or ``callbacks=[A,B]`` (configs/callbacks/)."""
