@@ -378,7 +378,12 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
     events.on_train_end(run)
 
     # --- summary and final weights -----------------------------------------------------
+    # In this order: the final weights, the tracker's copy, then summary.json LAST (it
+    # records the weights' size and checksum). A kill before it leaves no finished run:
+    # the rerun completes the end from the last checkpoint (docs/run-dir.md).
     wall = clock.elapsed()
+    if data is None and step > 0:  # an end completed from the last checkpoint: no batch
+        data = next(iter(train_loader))  # seen in this attempt; one, to size the rates
     samples, tokens = task.batch_size(batch=data) if data is not None else (0, None)
     summary = {
         "step": step,
@@ -396,11 +401,11 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
         **fine_tuned,  # checkpoint.init_from: the source and the keys that did not fit
         **stopper.summary(),  # trainer.early_stopping: whether, when and why it stopped
     }
-    write_summary(run_dir, summary)
     plain = plain_model(accelerator, model)  # no DDP/compile wrapper
     log.info(f"final weights fingerprint {weights_fingerprint(plain)}")
-    save_final_weights(accelerator, model, run_dir)  # model.safetensors
+    weights = save_final_weights(accelerator, model, run_dir)  # model.safetensors: its entry
     log_final_model(accelerator, cfg, run_dir, loaders.val, task=task)  # MLflow: model, weights
+    write_summary(run_dir, {**summary, "final_weights": weights})  # the commit record
     log.info(
         f"done: {step} steps in {wall:.1f}s | "
         + " | ".join(f"{k} {v:.4f}" for k, v in book.last.items() if k.startswith("val/"))

@@ -25,6 +25,7 @@ from {{ cookiecutter.package_name }}.engine.checkpoint import (
     load_tensors_safely,
     verify_checkpoint,
 )
+from {{ cookiecutter.package_name }}.engine.checkpoint import format as fmt
 from {{ cookiecutter.package_name }}.engine.checkpoint.__main__ import main as checkpoint_cli
 from {{ cookiecutter.package_name }}.engine.config import ConfigError, check_config, resolve_config
 
@@ -277,6 +278,65 @@ def test_signal_saves_exits_and_resumes(reference, tmp_path, signum, code):
     resumed = run_train(run, *ARGS)
     assert resumed.summary["resumed_from"] == str(ckpt_dir(run, stopped))
     assert_same_weights(run, reference(0))
+
+
+def _half_a_file(path: Path, source: Path) -> None:
+    path.write_bytes(source.read_bytes()[: source.stat().st_size // 2])
+
+
+def _one_byte_changed(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # in a tensor: the header still parses, the checksum does not match
+    path.write_bytes(bytes(data))
+
+
+def test_an_end_cut_short_is_completed_by_the_rerun(reference, tmp_path):
+    """The end writes model.safetensors, then summary.json LAST, recording the weights'
+    size and checksum; finished means both, verified (issue 38). A SIGKILL while the
+    final weights are written, and each state a kill of the end leaves on disk (one:
+    an older engine's order, summary first), are completed by the same command from
+    the last checkpoint (step 80: nothing left to train): exit 0, the weights
+    bit-equal to the uninterrupted run's, the same metrics and best, no .tmp left."""
+    args = [*ARGS, "data.num_workers=0", "preflight=off"]  # preflight may change on a resume
+    ref = reference(0)
+    expected = json.loads((ref / "summary.json").read_text())
+    weights_file = (ref / fmt.MODEL).read_bytes()
+    run = copy_run(ref, tmp_path / "run")  # killed after its last checkpoint
+    kill_when_paused(run, "final_weights", None, *args)  # a real end, killed in it
+    assert (run / ".model.safetensors.tmp").is_file()
+    assert not (run / "model.safetensors").exists() and not (run / "summary.json").exists()
+    cuts = [  # (what, how it is left, whether a summary says finished: the log says why not)
+        ("killed writing the final weights", lambda: None, False),
+        (
+            "summary first (the old order), killed writing the weights",
+            lambda: (
+                (run / "model.safetensors").unlink(),
+                _half_a_file(run / ".model.safetensors.tmp", ref / "model.safetensors"),
+            ),
+            True,
+        ),
+        (
+            "killed writing the summary",
+            lambda: (
+                _half_a_file(run / ".summary.json.tmp", ref / "summary.json"),
+                (run / "summary.json").unlink(),
+            ),
+            False,
+        ),
+        ("other weights than it records", lambda: _one_byte_changed(run / fmt.MODEL), True),
+    ]
+    for what, cut, summary_there in cuts:
+        cut()
+        rerun = run_train(run, *args)  # exit 0, or the test fails here
+        assert "resumed from " + str(ckpt_dir(run, 80)) in rerun.output, what
+        assert ("its end was cut short" in rerun.output) == summary_there, what
+        assert (run / fmt.MODEL).read_bytes() == weights_file, what
+        summary = rerun.summary
+        for key in ("step", "epoch", "metrics", "best", "final_weights"):
+            assert summary[key] == expected[key], (what, key)
+        assert summary["rates"]["training_only"]["samples_per_sec"] > 0, what
+        assert not list(run.glob("*.tmp")), what
+    assert_same_weights(run, ref)
 
 
 def test_resume_from_another_runs_checkpoint_and_never(reference, tmp_path):

@@ -13,9 +13,18 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
+from safetensors.torch import save as save_safetensors
 
-from {{ cookiecutter.package_name }}.engine.claim import ATTEMPT, _lock, _unlock, inspect
+from {{ cookiecutter.package_name }}.engine.checkpoint.checksums import file_entry
+from {{ cookiecutter.package_name }}.engine.claim import (
+    ATTEMPT,
+    _lock,
+    _unlock,
+    inspect,
+    reopen_the_end,
+)
 from {{ cookiecutter.package_name }}.engine.config import resolve_config
 from {{ cookiecutter.package_name }}.engine.files import write_json_atomic
 from {{ cookiecutter.package_name }}.engine.run_dir import RunDirError, launch_stamp
@@ -150,6 +159,46 @@ def test_only_a_started_attempt_says_what_the_run_is(compose_cfg, tmp_path):
     (run_dir / "config.json").write_text("[" * 200_000)  # hostile: never parsed deep
     with pytest.raises(RunDirError, match="not a config this project wrote"):
         inspect(run_dir, cfg)
+
+
+def test_finished_means_a_summary_and_the_weights_it_records(compose_cfg, tmp_path, caplog):
+    """claim's "finished" (issue 38): summary.json and the model.safetensors whose size
+    and checksum it records. Without them it is an end cut short: "continue", and the
+    log says how the rerun completes it; with checkpoint=none, by training again.
+    In-process: the claim's decision and the clean-up when training starts."""
+    cfg = resolve_config(compose_cfg())
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    write_json_atomic(run_dir / "config.json", OmegaConf.to_container(cfg, resolve=True))
+    weights = save_safetensors({"w": torch.arange(6.0)})
+    best = {"name": "val/acc", "value": 0.9, "step": 30}
+    write_json_atomic(
+        run_dir / "summary.json", {"step": 30, "best": best, "final_weights": file_entry(weights)}
+    )
+    assert inspect(run_dir, cfg).kind == "continue"  # no weights
+    assert "model.safetensors is missing: its end was cut short" in caplog.text
+    (run_dir / "model.safetensors").write_bytes(weights)
+    assert inspect(run_dir, cfg).finished
+    (run_dir / "model.safetensors").write_bytes(weights[:-1] + b"x")  # same size, other bytes
+    assert inspect(run_dir, cfg).kind == "continue"
+    # A summary of an older engine records no weights: complete safetensors suffice.
+    write_json_atomic(run_dir / "summary.json", {"step": 30, "best": best})
+    assert inspect(run_dir, cfg).finished
+    (run_dir / "model.safetensors").write_bytes(weights[:-4])  # cut short
+    caplog.clear()
+    none = resolve_config(compose_cfg("checkpoint=none"))
+    assert inspect(run_dir, none).kind == "continue"
+    assert "checkpoint=none kept no checkpoint to complete it from" in caplog.text
+    # Training starts again (commit_attempt): a summary saying finished goes (else an
+    # extended run killed before its end would read as finished at its old length),
+    # and so does what a killed end left half-written; a failed run's record stays.
+    (run_dir / ".model.safetensors.tmp").write_bytes(weights[:5])
+    (run_dir / ".summary.json.tmp").write_text('{"st')
+    reopen_the_end(run_dir)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.json", "model.safetensors"]
+    write_json_atomic(run_dir / "summary.json", {"status": "failed", "recoveries": []})
+    reopen_the_end(run_dir)
+    assert (run_dir / "summary.json").is_file()
 
 
 def test_a_live_run_dir_is_refused(tmp_path):

@@ -58,6 +58,7 @@ def test_smoke_run_writes_the_run_directory(train_run, compose_cfg):
         "resumed_from",
         "skipped_nan_steps",
         "recoveries",
+        "final_weights",  # the commit record: model.safetensors' size and checksum
     }
     assert s["resumed_from"] is None and s["skipped_nan_steps"] == 0 and s["recoveries"] == []
     assert s["step"] == 30 and s["world_size"] == world

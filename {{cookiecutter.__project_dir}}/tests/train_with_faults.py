@@ -1,12 +1,12 @@
 """``python tests/train_with_faults.py OVERRIDES``: train.py with the checkpoint
 pause points of ``CKPT_TEST_PAUSE_AT=POINT[@STEP][+SECONDS]`` switched on.
 
-A save reaching POINT (between_files, before_rename, before_pointers, pruning;
-at STEP, or the first time) prints ``CKPT_TEST_PAUSED POINT step N`` and sleeps
-(SECONDS, else an hour), so a test can SIGKILL the process exactly there. The
-hook is installed when this file is imported, so spawned DDP workers (which
-import the parent's main script) have it too; production code only carries the
-no-op ``checkpoint.save.pause_point``.
+A save reaching POINT (between_files, before_rename, before_pointers, pruning, or
+final_weights: the run's model.safetensors; at STEP, or the first time) prints
+``CKPT_TEST_PAUSED POINT step N`` and sleeps (SECONDS, else an hour), so a test can
+SIGKILL the process exactly there. The hook is installed when this file is
+imported, so spawned DDP workers (which import the parent's main script) have it
+too; production code only carries the no-op ``checkpoint.save.pause_point``.
 """
 
 import os
@@ -19,7 +19,7 @@ from {{ cookiecutter.package_name }}.engine.checkpoint import save as checkpoint
 TRAIN = Path(__file__).resolve().parents[1] / "train.py"
 
 
-def pause_point(point: str, step: int) -> None:
+def pause_point(point: str, step: int | None = None) -> None:
     wanted = os.environ.get("CKPT_TEST_PAUSE_AT")
     if not wanted:
         return

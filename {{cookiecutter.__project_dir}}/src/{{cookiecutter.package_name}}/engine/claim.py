@@ -3,7 +3,9 @@ and shared by every process on every node (docs/trust.md).
 
 - ``claim`` (the main process, before anything is written): lock the directory and
   decide whether it is new, this run (continue it), a finished run (report it,
-  change nothing) or another run's (refuse: RunDirError, exit 2). The attempt's
+  change nothing) or another run's (refuse: RunDirError, exit 2). Finished means
+  ``summary.json`` and the final weights it records, verified: a summary without
+  them is an end cut short, which the run completes from its last checkpoint. The attempt's
   statement of what the run is (``.hydra/``, ``config.yaml``, ``config.json``) is
   staged in ``.attempt/`` and takes its place only when training starts
   (``commit_attempt``): an attempt that fails before its first step leaves the run
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import fnmatch
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -32,8 +35,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from . import trust
+from .checkpoint import final_weights_problem
+from .checkpoint.format import MODEL
 from .config import ConfigError, allowed_config_changes, config_differences
-from .files import write_atomic, write_json_atomic
+from .files import temporary, write_atomic, write_json_atomic
 from .logs import discard_run_logs, open_run_logs
 from .run_dir import (
     RunDirError,
@@ -51,6 +56,9 @@ ATTEMPT = ".attempt"  # the staged statement of an attempt that has not started 
 # Keys in which the processes of one launch may differ: per node, per mount, and the
 # run dir's name (compared as the run dir itself; hydra.run.dir may have set it).
 PER_NODE_KEYS = ("parallel.node_rank", "parallel.master_addr", "runs_root", "run_name")
+SUMMARY = "summary.json"  # a finished run's commit record, written after its weights
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -113,19 +121,38 @@ def inspect(run_dir: Path, cfg: DictConfig) -> Decision:
             "starting over in it would mix two runs. Use another run_name (or hydra.run.dir), "
             "or resume=auto to continue it"
         )
-    summary = _read(run_dir / "summary.json")
+    summary = _read(run_dir / SUMMARY)
     if not _is_summary(summary):
         return Decision("continue")
     length = ("max_steps", "max_epochs")
     saved_trainer = saved.get("trainer") if isinstance(saved.get("trainer"), dict) else {}
     if all(saved_trainer.get(k) == current["trainer"].get(k) for k in length):
-        return Decision("finished", summary)
+        problem = final_weights_problem(run_dir, summary.get("final_weights"))
+        if problem is None:
+            return Decision("finished", summary)
+        log.warning(_cut_short(problem, checkpoints=cfg.checkpoint.get("enabled", False)))
+        return Decision("continue")
     if not (cfg.checkpoint.get("enabled", False) and (run_dir / "checkpoints").is_dir()):
         raise RunDirError(
             f"{run_dir} holds a finished run without checkpoints (checkpoint=none), so it "
             "cannot continue to the new trainer.max_steps/max_epochs: use another run_name"
         )
     return Decision("continue", summary)
+
+
+def _cut_short(problem: str, *, checkpoints: bool) -> str:
+    """What a rerun does with a summary.json whose final weights do not verify."""
+    said = f"summary.json says the run finished, but {problem}: its end was cut short. "
+    if checkpoints:
+        return (
+            said + "It is completed from the last checkpoint (training resumes there, with "
+            "nothing left to train when it is the final step) and writes model.safetensors, "
+            "then summary.json"
+        )
+    return (
+        said + "checkpoint=none kept no checkpoint to complete it from: the run trains again "
+        "from step 0 (the same config and seed) to write model.safetensors and summary.json"
+    )
 
 
 def _differences(saved: Any, current: dict) -> list[str]:
@@ -240,6 +267,16 @@ def stage_attempt(cfg: DictConfig, run_dir: Path, raw: DictConfig | None = None)
     write_json_atomic(staged / "config.json", OmegaConf.to_container(cfg, resolve=True))
 
 
+def reopen_the_end(run_dir: Path) -> None:
+    """The run trains again, so it is not finished until its end commits a new summary:
+    a summary.json that says finished goes (an extended run's, or one whose weights did
+    not verify; a failed run's record stays), then what a killed end left half-written."""
+    if _is_summary(_read(run_dir / SUMMARY)):
+        (run_dir / SUMMARY).unlink()
+    for name in (SUMMARY, MODEL):
+        temporary(run_dir / name).unlink(missing_ok=True)
+
+
 def commit_attempt(run_dir: Path, accelerator: Any) -> None:
     """Training starts: the staged files replace the run dir's (config.json last, so a
     crash in between leaves the old statement or the new one). The main process
@@ -247,6 +284,7 @@ def commit_attempt(run_dir: Path, accelerator: Any) -> None:
     staged = run_dir / ATTEMPT
     if not accelerator.is_main_process or not staged.is_dir():
         return
+    reopen_the_end(run_dir)
     files = sorted(
         (p for p in staged.rglob("*") if p.is_file()), key=lambda p: p.name == "config.json"
     )

@@ -2,7 +2,7 @@
 every lock file of the engine goes through here.
 
 ``write_atomic``: a reader sees the old content or the new, never half of it (a
-hidden temporary file beside the target, fsynced, then renamed over it).
+hidden temporary file beside the target, ``temporary``, fsynced, then renamed over it).
 ``write_durable``: a file inside a folder that is itself renamed into place
 later (a checkpoint's ``step_N.tmp/``): fsynced, no rename of its own.
 ``locked``: an exclusive lock held for a ``with`` block, for writers that would
@@ -29,11 +29,17 @@ def write_durable(path: Path, data: bytes | bytearray | memoryview | str) -> Non
         os.fsync(f.fileno())
 
 
+def temporary(path: Path) -> Path:
+    """``.<name>.tmp`` beside ``path``: where an atomic write of ``path`` is made
+    before its rename (what a write killed half-way leaves behind)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp")
+
+
 def write_atomic(path: Path, data: bytes | bytearray | memoryview | str) -> None:
     """Replace ``path`` with ``data`` (text is UTF-8) so that readers see the old
     file or the new one, never half."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = temporary(path)
     write_durable(tmp, data)
     os.replace(tmp, path)
 

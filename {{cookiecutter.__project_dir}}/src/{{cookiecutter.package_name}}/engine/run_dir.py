@@ -213,5 +213,7 @@ def check_shared_storage(run_dir: Path, accelerator: Any) -> None:
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    """``summary.json``, atomically, by the main process: a finished run's commit
+    record, written after every other file of the end (claim.py checks them)."""
     if PartialState().is_main_process:
         write_json_atomic(run_dir / "summary.json", summary)

@@ -12,7 +12,7 @@ processes), ``__main__`` (the list/verify/export CLI). docs/checkpoints.md.
 
 from .folder import committed_checkpoints
 from .format import CheckpointError, ConfigMismatch, load_tensors_safely, verify_checkpoint
-from .full_state import plain_model, save_final_weights
+from .full_state import final_weights_problem, plain_model, save_final_weights
 from .manager import CheckpointManager
 from .resume import ResumePlan, plan_resume
 
@@ -22,6 +22,7 @@ __all__ = [
     "ConfigMismatch",
     "ResumePlan",
     "committed_checkpoints",
+    "final_weights_problem",
     "load_tensors_safely",
     "plain_model",
     "plan_resume",

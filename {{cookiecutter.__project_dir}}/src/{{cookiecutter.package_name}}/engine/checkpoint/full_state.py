@@ -4,7 +4,8 @@ to FSDP shards: what DDP and single-process runs use), or, for ``sharded``
 (``auto`` under FSDP), each rank's own shards (sharded.py). Both load into any
 world size and parallel mode. Under DeepSpeed (layout ``deepspeed``) its own
 files hold the optimizer and the partitions (zero.py), beside the gathered
-model. Also the run's final ``model.safetensors``. Tied
+model. Also the run's final ``model.safetensors``, and whether one on disk is the
+file its ``summary.json`` records (``final_weights_problem``). Tied
 parameters are stored once under both layouts and re-tied on load (ties.py).
 docs/checkpoints.md.
 """
@@ -20,10 +21,10 @@ from safetensors.torch import save as save_safetensors
 from torch.nn import DataParallel
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import upstream
-from ..files import fsync_dir, write_durable
+from .. import trust, upstream
+from ..files import fsync_dir, temporary, write_durable
+from . import checksums, save, sharded, ties, zero
 from . import format as fmt
-from . import save, sharded, ties, zero
 
 
 def take(
@@ -143,22 +144,52 @@ def load_model_and_optimizer(
     set_optimizer_state_dict(plain, optimizer.optimizer, optimizer_state, options=options)
 
 
-def save_final_weights(accelerator: Any, model: torch.nn.Module, run_dir: Path) -> None:
+def save_final_weights(
+    accelerator: Any, model: torch.nn.Module, run_dir: Path
+) -> dict[str, Any] | None:
     """``run_dir/model.safetensors``: the full model in one file, every name its
     class defines but the aliases of tied weights (stored once, named in the
     metadata: ``ties.load_file`` puts them back), written by the main process and
     fsynced; a collective under FSDP and ZeRO-3 (gathered, ``model_state``). Not
     accelerate's ``save_model``: it unwraps the model through ``unwrap_model`` again
-    (see ``plain_model``)."""
+    (see ``plain_model``). Returns the file's entry (size and checksum) for
+    summary.json's ``final_weights`` on the main process, None on the others."""
     state = model_state(accelerator, model)
     tied = ties.find(plain_model(accelerator, model))
     tied = ties.in_state(tied, state) if accelerator.is_main_process else tied
     metadata = {"format": "pt", **({ties.METADATA_KEY: json.dumps(tied)} if tied else {})}
+    entry = None
     if accelerator.is_main_process:  # atomic: a crash leaves the old file or none
         final = Path(run_dir) / fmt.MODEL
-        tmp = final.with_name(f".{final.name}.tmp")
-        state = save.unshared(ties.drop_aliases(state, tied))
-        write_durable(tmp, save_safetensors(state, metadata=metadata))
-        os.replace(tmp, final)
+        data = save_safetensors(save.unshared(ties.drop_aliases(state, tied)), metadata=metadata)
+        write_durable(temporary(final), data)
+        save.pause_point("final_weights")  # the tests' SIGKILL: written, not renamed
+        os.replace(temporary(final), final)
         fsync_dir(final.parent)
+        entry = checksums.file_entry(data)
     accelerator.wait_for_everyone()
+    return entry
+
+
+def final_weights_problem(run_dir: Path, recorded: Any) -> str | None:
+    """None when ``run_dir/model.safetensors`` is the file summary.json's
+    ``final_weights`` entry (``recorded``) describes: a regular file of that size and
+    checksum, whose safetensors header parses; else what is wrong. A summary written
+    before the entry existed (None): a complete safetensors file. Read-only; reads the
+    file once (XXH3, ~5 GB/s)."""
+    path = Path(run_dir) / fmt.MODEL
+    if not os.path.lexists(path):
+        return f"{path} is missing"
+    try:
+        trust.regular_file(path)
+        fmt.check_safetensors_header(path)  # also a file cut short: its header says more
+    except (trust.Malformed, fmt.CheckpointError) as err:
+        return str(err)
+    if recorded is None:
+        return None
+    size = path.stat().st_size
+    if not isinstance(recorded, dict) or recorded.get("size") != size:
+        return f"{path} has {size} bytes, not the size summary.json records"
+    if checksums.path_entry(path).get(checksums.HASH) != recorded.get(checksums.HASH):
+        return f"{path} is not the file summary.json records (its checksum differs)"
+    return None

@@ -34,9 +34,10 @@ from .format import CheckpointError
 log = logging.getLogger(__name__)
 
 
-def pause_point(point: str, step: int) -> None:
+def pause_point(point: str, step: int | None = None) -> None:
     """A no-op called at the moments of a save a crash is tested at
-    (``between_files``, ``before_rename``, ``before_pointers``, ``pruning``).
+    (``between_files``, ``before_rename``, ``before_pointers``, ``pruning``; and
+    ``final_weights``: the run's ``model.safetensors`` written, not yet renamed).
     The fault-injection tests replace it (tests/train_with_faults.py) to pause
     there and SIGKILL the process; production code never does anything here."""
 
