@@ -29,6 +29,7 @@ from {{ cookiecutter.package_name }}.data.hf import hf
 from {{ cookiecutter.package_name }}.data.token_file import TokenStream, token_file, write_tokens
 from {{ cookiecutter.package_name }}.data.tokens import copy_task_sequences, markov_language
 from {{ cookiecutter.package_name }}.engine.batch_means import _head, _length, average_over_batches
+from {{ cookiecutter.package_name }}.engine.checkpoint.elastic import per_process_batch
 from {{ cookiecutter.package_name }}.engine.config import ConfigError
 from {{ cookiecutter.package_name }}.engine.debug import first_batches
 from {{ cookiecutter.package_name }}.engine.loaders import (
@@ -146,7 +147,7 @@ def test_a_sampler_and_a_batch_sampler_order_by_seed_and_epoch_and_resume_exactl
     }
     for name, given in cases.items():
 
-        def build(**prepare):
+        def build(given=given, **prepare):
             loaders = make_loaders(ids, ids, batch_size=4, seed=3, **given())
             if not prepare:
                 return accelerator.prepare_data_loader(loaders.train)
@@ -169,6 +170,10 @@ def test_a_sampler_and_a_batch_sampler_order_by_seed_and_epoch_and_resume_exactl
         # counts here: 8 batches), also after a resume
         ranks = [build(num_processes=2, process_index=r) for r in range(2)]
         shards = [epoch(rank, 1, processes=2) for rank in ranks]
+        # the checkpoint's position unit: samples per batch, or batches of any size
+        assert [per_process_batch(r, n) for r, n in [(run, 1), (ranks[0], 2)]] == [
+            4 if name == "sampler" else 1
+        ] * 2
         assert [b for pair in zip(*shards, strict=True) for b in pair] == second, name
         resumed = build(num_processes=2, process_index=1)
         assert epoch(resumed, 1, done=2, processes=2) == shards[1][2:]
@@ -243,7 +248,7 @@ def test_a_collate_fn_making_dict_batches_trains_and_evaluates_as_tuples_do():
             model, optimizer, loaders.train, loaders.val
         )
 
-        def loss(batch):
+        def loss(batch, name=name, model=model):
             x, y = (batch["pixels"], batch["label"]) if name == "dict" else batch[:2]
             return torch.nn.functional.cross_entropy(model(x), y)
 
