@@ -115,10 +115,11 @@ def make_loaders(
         "shuffle": not isinstance(train_set, IterableDataset),
         "drop_last": False,
     }
-    for which, given in [("sampler", sampler), ("batch_sampler", batch_sampler)]:
-        if given is not None:
-            kept = samplers.seeded(which, given, dataset=train_set, seed=seed, generator=generator)
-            order = {"batch_size": batch_size, which: kept} if which == "sampler" else {which: kept}
+    rules = {"dataset": train_set, "seed": seed, "generator": generator}
+    if sampler is not None:
+        order = {"batch_size": batch_size, "sampler": samplers.seeded("sampler", sampler, **rules)}
+    elif batch_sampler is not None:
+        order = {"batch_sampler": samplers.seeded("batch_sampler", batch_sampler, **rules)}
     train = DataLoader(train_set, generator=generator, collate_fn=collate_fn, **order, **common)
     val = DataLoader(
         val_set,
@@ -227,7 +228,11 @@ def in_dataset_order(loader: DataLoader) -> DataLoader:
 
 
 def _check_collate(key: str, fn: Any, num_workers: int) -> None:
-    require(f"make_loaders({key})", fn, fn is None or callable(fn), "a function of a list")
+    if fn is not None and not callable(fn):
+        raise ConfigError(
+            f"make_loaders({key}={fn!r}) is not allowed: expected a function of a list of "
+            "samples (or None: torch's default_collate)"
+        )
     started = multiprocessing.get_start_method(allow_none=True)
     started = started or multiprocessing.get_all_start_methods()[0]  # the default
     if fn is None or num_workers == 0 or started == "fork":

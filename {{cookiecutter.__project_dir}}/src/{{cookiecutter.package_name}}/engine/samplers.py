@@ -116,10 +116,12 @@ def set_epoch(loader: Any, epoch: int) -> None:
     (skip > shard > batch sampler > sampler): its own ``set_epoch`` misses a batch
     sampler on two processes."""
     found = getattr(loader, "batch_sampler", None)
-    while found is not None and not isinstance(found, EpochSeeded):
+    for _ in range(8):  # a few levels; never loops on a sampler that names itself
+        if found is None or isinstance(found, EpochSeeded):
+            break
         inner = getattr(found, "batch_sampler", None)
         found = inner if inner is not None else getattr(found, "sampler", None)
-    if found is not None:
+    if isinstance(found, EpochSeeded):
         found.set_epoch(epoch)
 
 
