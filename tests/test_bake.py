@@ -233,6 +233,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         f"{pkg}/engine/progress.py",
         f"{pkg}/engine/pruning.py",
         f"{pkg}/engine/run_dir.py",
+        f"{pkg}/engine/samplers.py",
         f"{pkg}/engine/schedules.py",
         f"{pkg}/engine/seeding.py",
         f"{pkg}/engine/state.py",

@@ -6,18 +6,38 @@ import itertools
 import json
 import math
 import os
+import re
 from importlib.util import find_spec
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.data_loader import prepare_data_loader
+from torch.utils.data import (
+    DistributedSampler,
+    RandomSampler,
+    Sampler,
+    TensorDataset,
+    WeightedRandomSampler,
+    default_collate,
+)
 
 from {{ cookiecutter.package_name }}.data.digits import load_digits
 from {{ cookiecutter.package_name }}.data.hf import hf
 from {{ cookiecutter.package_name }}.data.token_file import TokenStream, token_file, write_tokens
 from {{ cookiecutter.package_name }}.data.tokens import copy_task_sequences, markov_language
+from {{ cookiecutter.package_name }}.engine.batch_means import _head, _length, average_over_batches
+from {{ cookiecutter.package_name }}.engine.checkpoint.elastic import per_process_batch
 from {{ cookiecutter.package_name }}.engine.config import ConfigError
-from {{ cookiecutter.package_name }}.engine.loaders import run_length
+from {{ cookiecutter.package_name }}.engine.debug import first_batches
+from {{ cookiecutter.package_name }}.engine.loaders import (
+    continue_epoch,
+    in_dataset_order,
+    make_loaders,
+    run_length,
+)
 
 from .conftest import ENV, FAST, PROJECT_ROOT, fingerprints, run_train
 from .faults import sample_hash
@@ -71,6 +91,184 @@ def test_hf_refuses_a_hub_name_and_says_how_to_use_it_offline(tmp_path):
     with pytest.raises(ConfigError, match=r"data.format='user/corpus' is not allowed") as err:
         hf(batch_size=8, seed=0, format="user/corpus", train_files="x", inputs="a", targets="b")
     assert "save_to_disk(DIR), then data.format=disk" in str(err.value)
+
+
+class Buckets(Sampler):
+    """A bucketing batch sampler (tests the engine's rules on one of the data's own):
+    samples of similar length batched together, ``size`` at most, the last of each
+    bucket smaller; the batches' order and contents from its ``generator``."""
+
+    def __init__(self, lengths: torch.Tensor, size: int, generator: torch.Generator | None = None):
+        self.lengths, self.size, self.generator = lengths, size, generator
+
+    def _buckets(self) -> list[torch.Tensor]:
+        return list(torch.argsort(self.lengths, stable=True).split(3 * self.size))
+
+    def __len__(self) -> int:
+        return sum(math.ceil(len(b) / self.size) for b in self._buckets())
+
+    def __iter__(self):
+        shuffled = [b[torch.randperm(len(b), generator=self.generator)] for b in self._buckets()]
+        batches = [part.tolist() for b in shuffled for part in b.split(self.size)]
+        yield from (batches[i] for i in torch.randperm(len(batches), generator=self.generator))
+
+
+def as_dict(samples: list) -> dict:
+    """A collate_fn making dict batches, with a plain list (ids) beside the tensors."""
+    pixels, labels, index = default_collate(samples)
+    return {"pixels": pixels, "label": labels, "id": [f"s{i}" for i in index.tolist()]}
+
+
+def batch_ids(loader) -> list[list[int]]:
+    return [batch[0].tolist() for batch in loader]
+
+
+def epoch(loader, number: int, done: int = 0, processes: int = 1) -> list[list[int]]:
+    """The sample ids of each batch of an epoch, as train.py's loop reads them (after
+    ``done`` batches already trained: a resumed run)."""
+    loader.set_epoch(number)
+    return batch_ids(
+        continue_epoch(loader, epoch=number, batches_done=done, num_processes=processes)
+    )
+
+
+def test_a_sampler_and_a_batch_sampler_order_by_seed_and_epoch_and_resume_exactly():
+    """Whatever the global RNG: epoch e's batches are the same in every build, differ
+    across epochs, a resume skips exactly the batches trained, two processes take
+    alternate batches of the one order; debug=fast keeps the first batches drawn."""
+    ids = TensorDataset(torch.arange(30))
+    accelerator = Accelerator(
+        cpu=True,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=3),
+    )
+    cases = {  # how to make each train loader; every one prepared afresh
+        "sampler": lambda: {"sampler": WeightedRandomSampler(torch.linspace(0.1, 1, 30), 32)},
+        "batch_sampler": lambda: {"batch_sampler": Buckets(torch.arange(30) % 7, 4)},
+    }
+    for name, given in cases.items():
+
+        def build(given=given, **prepare):
+            loaders = make_loaders(ids, ids, batch_size=4, seed=3, **given())
+            if not prepare:
+                return accelerator.prepare_data_loader(loaders.train)
+            # a rank of two processes: what accelerate prepares on it
+            return prepare_data_loader(
+                loaders.train, **prepare, use_seedable_sampler=True, data_seed=3
+            )
+
+        torch.manual_seed(0)
+        run = build()
+        first, second = epoch(run, 0), epoch(run, 1)
+        torch.manual_seed(1)  # a resumed process: its global RNG is elsewhere
+        assert epoch(build(), 1, done=3) == second[3:], name
+        assert first != second and sorted(map(sorted, first)) != sorted(map(sorted, second))
+        assert epoch(build(), 0) == first
+        if name == "batch_sampler":  # every batch of the sampler's own, sizes kept
+            assert sorted(i for b in second for i in b) == list(range(30))
+            assert sorted(map(len, second)) == [2, *[4] * 7], second
+        # two processes: rank r trains batches r, r + 2, ... of the one order (even
+        # counts here: 8 batches), also after a resume
+        ranks = [build(num_processes=2, process_index=r) for r in range(2)]
+        shards = [epoch(rank, 1, processes=2) for rank in ranks]
+        # the checkpoint's position unit: samples per batch, or batches of any size
+        assert [per_process_batch(r, n) for r, n in [(run, 1), (ranks[0], 2)]] == [
+            4 if name == "sampler" else 1
+        ] * 2
+        assert [b for pair in zip(*shards, strict=True) for b in pair] == second, name
+        resumed = build(num_processes=2, process_index=1)
+        assert epoch(resumed, 1, done=2, processes=2) == shards[1][2:]
+
+        # debug=fast: the first 2 batches drawn, the same samples every epoch
+        raw = make_loaders(ids, ids, batch_size=4, seed=3, **given()).train
+        cut = accelerator.prepare_data_loader(first_batches(raw, 2))
+        kept = [sorted(i for b in epoch(cut, e) for i in b) for e in (0, 1)]
+        assert kept[0] == kept[1] == sorted(first[0] + first[1]), name
+
+    # a RandomSampler given is seeded by the same rule as the default shuffle
+    default = accelerator.prepare_data_loader(make_loaders(ids, ids, batch_size=4, seed=3).train)
+    given = make_loaders(ids, ids, batch_size=4, seed=3, sampler=RandomSampler(ids)).train
+    assert epoch(accelerator.prepare_data_loader(given), 2) == epoch(default, 2)
+
+
+def test_make_loaders_refuses_a_sampler_whose_order_it_cannot_keep(tmp_path):
+    ids = TensorDataset(torch.arange(10))
+
+    class GlobalShuffle(Sampler):  # draws from the global RNG: no generator, no set_epoch
+        def __len__(self):
+            return 10
+
+        def __iter__(self):
+            return iter(torch.randperm(10).tolist())
+
+    cases = {
+        "make_loaders(sampler=GlobalShuffle) is not allowed: its order would not be a "
+        "function of (seed, epoch): a resumed run would not see the same batches": {
+            "sampler": GlobalShuffle()
+        },
+        "make_loaders(sampler=DistributedSampler) is not allowed: accelerate shards": {
+            "sampler": DistributedSampler(ids, num_replicas=2, rank=0)
+        },
+        "make_loaders(batch_sampler=generator) is not allowed: it has no __len__": {
+            "batch_sampler": (b for b in [[0, 1]])
+        },
+        "make_loaders(sampler=..., batch_sampler=...) is not allowed": {
+            "sampler": RandomSampler(ids),
+            "batch_sampler": Buckets(torch.arange(10), 2),
+        },
+    }
+    for message, given in cases.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            make_loaders(ids, ids, batch_size=2, seed=0, **given)
+    path = write_tokens(tmp_path / "ids.bin", np.arange(100), vocab_size=100)
+    stream = TokenStream(str(path), 8, "uint16", seed=0, batch_size=2)
+    with pytest.raises(ConfigError, match=r"a stream \(an IterableDataset\) has its own order"):
+        make_loaders(stream, ids, batch_size=2, seed=0, sampler=RandomSampler(ids))
+
+
+def test_a_collate_fn_making_dict_batches_trains_and_evaluates_as_tuples_do():
+    """The same steps on dict batches (through 2 loader workers) as on the default
+    tuples: bit-equal weights and evaluation; predict.py's dataset-order loader and
+    evaluation's cut of a batch keep the dict and its ids."""
+    images, labels = load_digits()
+    data = TensorDataset(images.flatten(1), labels, torch.arange(len(labels)))
+    accelerator = Accelerator(
+        cpu=True,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=5),
+    )
+    outcome = {}
+    for name, collate, workers in [("tuple", None, 0), ("dict", as_dict, 2)]:
+        loaders = make_loaders(
+            data, data, batch_size=64, seed=5, collate_fn=collate, num_workers=workers
+        )
+        assert loaders.val.collate_fn is loaders.train.collate_fn  # val's default
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 10)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        model, optimizer, train, val = accelerator.prepare(
+            model, optimizer, loaders.train, loaders.val
+        )
+
+        def loss(batch, name=name, model=model):
+            x, y = (batch["pixels"], batch["label"]) if name == "dict" else batch[:2]
+            return torch.nn.functional.cross_entropy(model(x), y)
+
+        train.set_epoch(0)
+        for batch in train:
+            optimizer.zero_grad()
+            accelerator.backward(loss(batch))
+            optimizer.step()
+        count = (lambda b: len(b["label"])) if name == "dict" else (lambda b: len(b[1]))
+        means = average_over_batches(loss, val, accelerator, count)
+        outcome[name] = (torch.cat([p.detach().flatten() for p in model.parameters()]), means)
+    assert torch.equal(outcome["dict"][0], outcome["tuple"][0])
+    assert outcome["dict"][1] == outcome["tuple"][1] and outcome["dict"][1]["loss"] < math.log(10)
+
+    shuffled = make_loaders(data, data, batch_size=64, seed=5, collate_fn=as_dict).train
+    ordered = [b["id"] for b in in_dataset_order(shuffled)]
+    assert [i for ids in ordered for i in ids] == [f"s{i}" for i in range(len(labels))]
+    batch = next(iter(shuffled))
+    assert _length(batch) == 64 and _head(batch, 3)["id"] == batch["id"][:3]
+    assert torch.equal(_head(batch, 3)["pixels"], batch["pixels"][:3])
 
 
 def stream_starts(tmp_path: Path, *, num_workers: int, epoch: int, skip: int = 0) -> list[int]:

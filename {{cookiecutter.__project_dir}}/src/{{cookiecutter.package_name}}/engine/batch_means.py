@@ -68,7 +68,7 @@ def _real_samples(batch: Any, loader: Any, accelerator: Any) -> int | None:
 
 
 def _length(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
+    if isinstance(batch, torch.Tensor) or _per_sample(batch):
         return len(batch)
     if isinstance(batch, dict):
         return _length(next(iter(batch.values())))
@@ -76,11 +76,18 @@ def _length(batch: Any) -> int:
 
 
 def _head(batch: Any, n: int) -> Any:
-    """The first ``n`` samples of a batch (tensors, or tuples/lists/dicts of them)."""
-    if isinstance(batch, torch.Tensor):
+    """The first ``n`` samples of a batch (tensors, or tuples/lists/dicts of them; a
+    list of plain values, e.g. a collate's ids or texts, is one per sample)."""
+    if isinstance(batch, torch.Tensor) or _per_sample(batch):
         return batch[:n]
     if isinstance(batch, dict):
         return type(batch)((k, _head(v, n)) for k, v in batch.items())
     if isinstance(batch, list | tuple):
         return type(batch)(_head(v, n) for v in batch)
     return batch
+
+
+def _per_sample(batch: Any) -> bool:
+    """A list or tuple of plain values (not tensors or containers of them)."""
+    containers = torch.Tensor | dict | list | tuple
+    return isinstance(batch, list | tuple) and not any(isinstance(v, containers) for v in batch)

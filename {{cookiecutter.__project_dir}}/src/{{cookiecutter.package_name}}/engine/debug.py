@@ -9,40 +9,67 @@ a Chrome/TensorBoard trace and a table of the top ops into ``<run dir>/profile/`
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Subset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    Subset,
+)
 
+from . import samplers
 from .config import ConfigError, require
 
 log = logging.getLogger(__name__)
 
 
 def first_batches(loader: DataLoader, batches: int) -> DataLoader:
-    """A loader like ``loader`` over its dataset's first ``batches`` batches."""
-    if loader.batch_size is None:
-        raise ConfigError("debug.*_batches needs a loader with a batch_size (not a batch_sampler)")
+    """A loader like ``loader`` (its collate_fn, workers, generator) over its first
+    ``batches`` batches: the dataset's first ones, shuffled every epoch if the loader
+    shuffles; with a sampler of the data's own, the samples it draws first (epoch 0),
+    shuffled so; with a batch sampler, its first batches, the same every epoch."""
     if isinstance(loader.dataset, IterableDataset):
         raise ConfigError(
             "debug.*_batches needs a dataset with a length, not a stream (an "
             "IterableDataset): shorten a stream's run with trainer.max_steps instead"
         )
-    count = min(len(loader.dataset), batches * loader.batch_size)
-    return DataLoader(
-        Subset(loader.dataset, range(count)),
-        batch_size=loader.batch_size,
-        shuffle=isinstance(loader.sampler, RandomSampler),
-        generator=loader.generator,
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        worker_init_fn=loader.worker_init_fn,
-        drop_last=loader.drop_last,
-        persistent_workers=loader.persistent_workers,
-    )
+    common = {
+        "generator": loader.generator,
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "worker_init_fn": loader.worker_init_fn,
+        "persistent_workers": loader.persistent_workers,
+    }
+    order = loader.batch_sampler
+    if type(order) is BatchSampler and isinstance(order.sampler, RandomSampler | SequentialSampler):
+        count = min(len(loader.dataset), batches * loader.batch_size)
+        subset = Subset(loader.dataset, range(count))
+        shuffle = isinstance(order.sampler, RandomSampler)
+        return DataLoader(
+            subset,
+            batch_size=loader.batch_size,
+            shuffle=shuffle,
+            drop_last=loader.drop_last,
+            **common,
+        )
+    drawn = samplers.first_batches_drawn(loader, batches)
+    subset = Subset(loader.dataset, [index for batch in drawn for index in batch])
+    if type(order) is BatchSampler:  # a sampler of the data's own, batched by batch_size
+        return DataLoader(
+            subset, batch_size=loader.batch_size, shuffle=True, drop_last=loader.drop_last, **common
+        )
+    # the batch sampler's batches as positions in the subset (a list is a batch sampler)
+    starts = [0, *itertools.accumulate(len(batch) for batch in drawn)]
+    fixed = [list(range(a, b)) for a, b in itertools.pairwise(starts)]
+    return DataLoader(subset, batch_sampler=fixed, **common)
 
 
 class Debug:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader
 
 from .accel import build_accelerator
 from .checkpoint import CheckpointError
@@ -44,6 +44,7 @@ from .inference import (
     trusted_config,
 )
 from .launch import LaunchError, run
+from .loaders import in_dataset_order
 from .logs import setup_rank_logging
 from .run_dir import hydra_run_dir, made_by_this_launch
 from .task import build_task
@@ -175,16 +176,11 @@ def _write_predictions(
     sampler repeated to even out the last batch."""
     split = cfg.get("split", "val")
     loader = getattr(loaders, split, None)
-    shuffles = isinstance(getattr(loader, "sampler", None), RandomSampler)  # e.g. split=train
-    if shuffles and dataclasses.is_dataclass(loaders):
-        # the same samples in dataset order (what the rows' index means)
-        loader = DataLoader(
-            loader.dataset,
-            batch_size=loader.batch_size,
-            collate_fn=loader.collate_fn,
-            num_workers=loader.num_workers,
-        )
-        loaders = dataclasses.replace(loaders, **{split: loader})
+    # e.g. split=train (shuffled, or its own sampler): the same samples in dataset
+    # order (what the rows' index means), with the loader's collate_fn
+    ordered = in_dataset_order(loader) if isinstance(loader, DataLoader) else loader
+    if ordered is not loader and dataclasses.is_dataclass(loaders):
+        loaders = dataclasses.replace(loaders, **{split: ordered})
     loader = _split(loaders, split, accelerator)
     loaded.model.eval()
     columns: dict[str, list[torch.Tensor]] = {}

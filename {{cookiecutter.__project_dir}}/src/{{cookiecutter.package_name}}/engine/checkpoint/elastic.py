@@ -19,8 +19,12 @@ from . import format as fmt
 
 def per_process_batch(loader: Any, num_processes: int) -> int:
     """Samples per micro-batch on one process (accelerate's prepared loader
-    knows the global one)."""
-    total = getattr(loader, "total_batch_size", None)
+    knows the global one); 1 for a batch sampler's batches of any size, so that the
+    position counts batches."""
+    try:
+        total = getattr(loader, "total_batch_size", None)
+    except TypeError:  # accelerate multiplies the batch sampler's batch_size: None
+        total = None
     if total:
         return max(1, int(total) // num_processes)
     return int(getattr(loader, "batch_size", None) or 1)
