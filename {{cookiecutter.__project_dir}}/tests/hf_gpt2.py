@@ -2,7 +2,7 @@
 their own (docs/own-model.md, "Add your own model and data"): a function whose arguments are
 the config keys, here ``model=gpt``'s (``model._target_=tests.hf_gpt2.gpt2``). Built
 from a config (no download), with GPT-2's tied embeddings: ``lm_head.weight`` is
-``transformer.wte.weight``. It returns a ``ModelOutput``; task.py reads its ``.logits``.
+``transformer.wte.weight``. It returns a ``ModelOutput``; the task reads its ``.logits``.
 """
 
 import torch
