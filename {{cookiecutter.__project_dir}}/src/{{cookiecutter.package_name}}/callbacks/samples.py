@@ -27,8 +27,12 @@ class GenerateSamples(Callback):
     ) -> None:
         for key, value in [("prompt_tokens", prompt_tokens), ("max_new_tokens", max_new_tokens)]:
             require(f"callbacks.generate_samples.{key}", value, _count(value), "an integer >= 1")
-        require("callbacks.generate_samples.every_n_evals", every_n_evals, _count(every_n_evals),
-                "an integer >= 1")
+        require(
+            "callbacks.generate_samples.every_n_evals",
+            every_n_evals,
+            _count(every_n_evals),
+            "an integer >= 1",
+        )
         self.prompt_tokens, self.max_new_tokens = prompt_tokens, max_new_tokens
         self.every_n_evals = every_n_evals
         # a tokenizer file (None: bytes, data=text's default); IDS: the data is token ids

@@ -103,7 +103,6 @@ class Step:
         zero_grad(target)
         return self._verdict
 
-
     def update_done(self) -> bool:
         """After ``training_step``, in the loop: True when this micro-batch ended an
         optimizer step. Then the ranks' agreement on it is taken if the step made no
