@@ -54,7 +54,7 @@ def bench_step(args, config: dict, work: Path, results: dict) -> None:
         agreement=guard,
         clip_norm=cfg.trainer.grad_clip_norm,
         models={"model": model},
-        optimizers={"optimizer": wrapped},
+        optimizer=wrapped,
     )
     clip, device = cfg.trainer.grad_clip_norm, accelerator.device
     loss_sum = torch.zeros((), device=device)

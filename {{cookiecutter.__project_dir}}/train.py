@@ -51,6 +51,7 @@ from {{ cookiecutter.package_name }}.engine.ema import WeightAverage, metric_nam
 from {{ cookiecutter.package_name }}.engine.entry import run_entry_point
 from {{ cookiecutter.package_name }}.engine.finetune import init_from
 from {{ cookiecutter.package_name }}.engine.fits import check_model_fits_data
+from {{ cookiecutter.package_name }}.engine.frozen import build_frozen_models
 from {{ cookiecutter.package_name }}.engine.fsdp import shard_model
 from {{ cookiecutter.package_name }}.engine.launch import (
     LaunchError,
@@ -64,6 +65,7 @@ from {{ cookiecutter.package_name }}.engine.logs import setup_rank_logging
 from {{ cookiecutter.package_name }}.engine.media import Media
 from {{ cookiecutter.package_name }}.engine.metrics import MetricBook, WindowMeans
 from {{ cookiecutter.package_name }}.engine.nonfinite import LossGuard, NonFiniteLoss
+from {{ cookiecutter.package_name }}.engine.optimizers import build_optimizers
 from {{ cookiecutter.package_name }}.engine.preemption import StopSignals, TrainingInterrupted
 from {{ cookiecutter.package_name }}.engine.preflight import PreflightFailed, run_preflight
 from {{ cookiecutter.package_name }}.engine.progress import Progress, RunClock
@@ -79,6 +81,7 @@ from {{ cookiecutter.package_name }}.engine.run_dir import (
     uses_default_run_name,
     write_summary,
 )
+from {{ cookiecutter.package_name }}.engine.schedules import ScheduleSteps
 from {{ cookiecutter.package_name }}.engine.seeding import same_on_every_rank, seed_everything
 from {{ cookiecutter.package_name }}.engine.state import TrainState
 from {{ cookiecutter.package_name }}.engine.step import Step
@@ -127,14 +130,17 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
     loaders = debug.loaders(instantiate(cfg.data, what="data"))
     with same_on_every_rank(cfg.seed):
         model = instantiate(cfg.model, what="model")
+        # frozen_models: models the step calls but never trains (e.g. a teacher)
+        frozen = build_frozen_models(cfg.frozen_models, device=accelerator.device)
     check_model_fits_data(model, cfg.data)  # vocabulary and positions: exit 2 naming both
     # checkpoint.init_from: a new run starting from another run's weights (fine-tuning)
     fine_tuned = init_from(cfg.checkpoint, model=model)
     # parallel=fsdp: each repeated block its own FSDP unit, then the root (else a no-op);
     # before the optimizer, which then holds the sharded parameters
     model = shard_model(model, accelerator=accelerator, parallel=cfg.parallel)
-    # the task's param_groups: no weight decay on biases, norms and embeddings by default
-    optimizer = instantiate(cfg.optimizer, what="optimizer")(task.param_groups(model))
+    # the task's param_groups: no weight decay on biases, norms and embeddings by default;
+    # with optimizers: (several), the groups of each by name (optimizers.py)
+    optimizer = build_optimizers(cfg.optimizer, cfg.optimizers, task.param_groups(model))
     # samples/s, tokens/s and MFU for the logs (before prepare() wraps the model)
     throughput = Throughput(
         model,
@@ -214,8 +220,9 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
         accelerator=accelerator,
         agreement=agreement,
         clip_norm=cfg.trainer.grad_clip_norm,
-        models={"model": model},
-        optimizers={"optimizer": optimizer},
+        models={"model": model, **frozen},
+        optimizer=optimizer,
+        frozen=tuple(frozen),
     )
     clock = RunClock()  # training time of the whole run, across resumes
     state = TrainState(
@@ -288,9 +295,11 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
         world_size=accelerator.num_processes,
     )
     # What every optimizer step, evaluation and save is followed by, in this order: the
-    # weight average, the watchdog's heartbeat, progress, debug's profiler, early
+    # schedule (per step, or on trainer.monitor after an evaluation: ReduceLROnPlateau),
+    # the weight average, the watchdog's heartbeat, progress, debug's profiler, early
     # stopping's patience, then the callbacks of configs/callbacks/
-    events = Callbacks([ema, watchdog, progress, debug, stopper, *callbacks.values()])
+    schedule = ScheduleSteps(scheduler, monitor=cfg.trainer.monitor)
+    events = Callbacks([schedule, ema, watchdog, progress, debug, stopper, *callbacks.values()])
     run = RunContext(
         accelerator=accelerator,
         run_dir=run_dir,
@@ -320,7 +329,6 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
             window.add(loss, logs)
             if not step_verbs.update_done():
                 continue  # still accumulating micro-batches
-            scheduler.step()
             step = state.advance(epoch, batch)  # TrainState keeps where training is
             run.step, run.epoch = step, epoch
             events.on_step_end(run)

@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from {{ cookiecutter.package_name }}.engine.accel import resolve_precision
 from {{ cookiecutter.package_name }}.engine.config import check_config, flatten_config, resolve_config
+from {{ cookiecutter.package_name }}.engine.schedules import steps_on_metric
 from {{ cookiecutter.package_name }}.engine.task import build_task
 from {{ cookiecutter.package_name }}.engine.tracking import build_trackers
 
@@ -89,7 +90,7 @@ def test_option_composes_and_instantiates(group, option, compose_cfg, tmp_path):
     assert loss.ndim == 0 and torch.isfinite(loss) and all(v.ndim == 0 for v in logs.values())
     loss.backward()
     optimizer.step()
-    scheduler.step()
+    scheduler.step(*([1.0] if steps_on_metric(scheduler) else []))  # plateau: on a metric
     assert scheduler.get_last_lr()[0] > 0
 
     # The option really selected what its name says.

@@ -275,7 +275,7 @@ def test_the_tasks_default_step_is_accelerates_step_bit_for_bit():
         agreement=guard,
         clip_norm=0.1,
         models={"model": ours},
-        optimizers={"optimizer": ours_opt},
+        optimizer=ours_opt,
     )
     for step in range(4):
         batch = [torch.randn(32, 8) * (10 if step == 1 else 1), torch.randint(0, 3, (32,))]

@@ -397,6 +397,17 @@ def check_config(cfg: DictConfig) -> None:
             f"trainer.ema.enabled=true is not supported with parallel={cfg.parallel.mode} "
             "(sharded parameters): use parallel=ddp or none with EMA, or trainer.ema.enabled=false"
         )
+    if cfg.get("optimizers") and cfg.parallel.mode == "deepspeed":
+        # One optimizer per DeepSpeed engine (accelerate builds one engine per model).
+        problems.append(
+            f"optimizers={sorted(cfg.optimizers)} is not supported with parallel=deepspeed "
+            "(one optimizer per engine): use parallel=ddp or fsdp, or one optimizer"
+        )
+    if cfg.get("optimizers") and cfg.trainer.mixed_precision == "fp16":
+        problems.append(
+            "trainer.mixed_precision=fp16 is not supported with several optimizers (one grad "
+            "scaler steps one optimizer here): use bf16 or no"
+        )
     if problems:
         raise ConfigError("Invalid configuration:\n  " + "\n  ".join(problems))
 

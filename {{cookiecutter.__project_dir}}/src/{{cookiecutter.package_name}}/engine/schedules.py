@@ -1,15 +1,19 @@
-"""Learning-rate schedules, built per optimizer step.
+"""Learning-rate schedules, and when the loop steps them.
 
 ``train.py`` calls ``instantiate(cfg.scheduler)(optimizer, total_steps=...)``,
 so every schedule here takes the optimizer and the total number of optimizer
-steps; the remaining arguments come from ``configs/scheduler/``.
+steps; the remaining arguments come from ``configs/scheduler/``. A schedule steps
+after every optimizer step, except one that steps on a metric (torch's
+``ReduceLROnPlateau``, ``plateau`` here): after every evaluation, with the value of
+``trainer.monitor`` (``ScheduleSteps``, one of the loop's events).
 """
 
 import functools
 import math
+from typing import Any
 
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LambdaLR, ReduceLROnPlateau
 
 
 def _constant_factor(step: int) -> float:
@@ -42,3 +46,39 @@ def warmup_cosine(
         min_lr_ratio=min_lr_ratio,
     )
     return LambdaLR(optimizer, factor)
+
+
+def plateau(
+    optimizer: Optimizer,
+    total_steps: int,
+    mode: str = "min",
+    factor: float = 0.5,
+    patience: int = 2,
+    min_lr: float = 0.0,
+) -> ReduceLROnPlateau:
+    """Multiply the learning rate by ``factor`` after ``patience`` evaluations without
+    an improvement of trainer.monitor (``mode``: its direction)."""
+    return ReduceLROnPlateau(optimizer, mode=mode, factor=factor, patience=patience, min_lr=min_lr)
+
+
+def steps_on_metric(scheduler: Any) -> bool:
+    """Whether a (prepared) schedule steps on a metric instead of per optimizer step."""
+    return isinstance(getattr(scheduler, "scheduler", scheduler), ReduceLROnPlateau)
+
+
+class ScheduleSteps:
+    """The loop's event (callbacks.py) that steps the schedule: after each optimizer
+    step, or, for one that steps on a metric, after each evaluation with ``monitor``'s
+    value (an evaluation without it leaves the schedule as it is)."""
+
+    def __init__(self, scheduler: Any, *, monitor: str) -> None:
+        self.scheduler, self.monitor = scheduler, monitor
+        self.on_metric = steps_on_metric(scheduler)
+
+    def on_step_end(self, run: Any) -> None:
+        if not self.on_metric:
+            self.scheduler.step()
+
+    def on_eval_end(self, run: Any, metrics: dict[str, float]) -> None:
+        if self.on_metric and self.monitor in metrics:
+            self.scheduler.step(metrics[self.monitor])

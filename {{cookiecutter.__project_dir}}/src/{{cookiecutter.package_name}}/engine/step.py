@@ -1,6 +1,7 @@
 """The verbs a task's ``training_step`` takes one micro-batch with (``Step``): the
 accumulation window, backward with the NaN guard, clipping and the update, over named
-models and optimizers (one of each, named ``model`` and ``optimizer``, by default).
+models and optimizers (one of each, named ``model`` and ``optimizer``, by default;
+several optimizers: those of ``cfg.optimizers`` too, optimizers.py).
 
 The step itself is the task's (engine/task.py: ``TaskDefaults.training_step`` is the
 default, written out); these verbs keep the engine's guarantees inside it: the ranks
@@ -23,6 +24,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from . import upstream
+from .optimizers import by_name
 
 
 class Step:
@@ -35,12 +37,17 @@ class Step:
         agreement: Any,
         clip_norm: float | None,
         models: dict[str, torch.nn.Module],
-        optimizers: dict[str, Any],
+        optimizer: Any,
+        frozen: tuple[str, ...] = (),
     ) -> None:
         self.accelerator = accelerator
         self.agreement = agreement
         self.clip_norm = clip_norm  # trainer.grad_clip_norm (None: no clipping)
-        self.models, self.optimizers = dict(models), dict(optimizers)
+        self.models = dict(models)  # every model the step may call, frozen ones too
+        self.frozen = tuple(frozen)  # of those, the ones not trained (e.g. a teacher)
+        self.trained = [m for name, m in self.models.items() if name not in frozen]
+        self.all_optimizers = optimizer  # the run's (prepared): every optimizer
+        self.optimizers = by_name(optimizer)  # by name: optimizer, and cfg.optimizers' names
         self.grad_norm: torch.Tensor | None = None  # the last clipping's total norm (logged)
         self._verdict: bool | None = None  # the ranks' agreement for this optimizer step
 
@@ -51,7 +58,8 @@ class Step:
 
     @property
     def optimizer(self) -> Any:
-        return _only(self.optimizers, "optimizer")
+        """The run's optimizer: all of them, with several."""
+        return self.all_optimizers
 
     @property
     def sync_gradients(self) -> bool:
@@ -67,7 +75,7 @@ class Step:
         if self.accelerator.gradient_accumulation_steps == 1:
             yield
             return
-        with self.accelerator.accumulate(*self.models.values()):
+        with self.accelerator.accumulate(*self.trained):
             yield
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -92,16 +100,22 @@ class Step:
         return norm
 
     def update(self, optimizer: str | None = None) -> bool:
-        """The optimizer's step and zero_grad, unless the ranks agree to drop this step's
-        update (a non-finite loss with ``on_nan=skip``: agreed once per optimizer step,
-        whichever optimizers it updates). Returns whether it was applied."""
+        """The step and zero_grad of the optimizer named ``optimizer`` (None: every
+        one), unless the ranks agree to drop this step's update (a non-finite loss with
+        ``on_nan=skip``: agreed once per optimizer step, at its first update, whichever
+        optimizers it updates). Returns whether it was applied."""
         if self._verdict is None:
             self._verdict = self.agreement.on_update()
-        target = self.optimizers[optimizer] if optimizer else self.optimizer
+        target = self.all_optimizers if optimizer is None else self.optimizers[optimizer]
         if self._verdict:
             target.step()
         zero_grad(target)
         return self._verdict
+
+    def zero_grad(self, optimizer: str | None = None) -> None:
+        """Drop the gradients of ``optimizer``'s parameters (None: every one's), e.g. a
+        discriminator's from the generator's loss before its own backward."""
+        zero_grad(self.all_optimizers if optimizer is None else self.optimizers[optimizer])
 
     def update_done(self) -> bool:
         """After ``training_step``, in the loop: True when this micro-batch ended an

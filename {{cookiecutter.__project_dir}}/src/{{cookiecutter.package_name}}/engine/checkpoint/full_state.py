@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import trust, upstream
 from ..files import fsync_dir, temporary, write_durable
+from ..optimizers import inner_optimizers
 from . import checksums, save, sharded, ties, zero
 from . import format as fmt
 
@@ -114,7 +115,7 @@ def optimizer_state(accelerator: Any, model: torch.nn.Module, optimizer: Any) ->
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_optimizer_state_dict(
-        plain_model(accelerator, model), optimizer.optimizer, options=options
+        plain_model(accelerator, model), inner_optimizers(optimizer), options=options
     )
 
 
@@ -141,7 +142,7 @@ def load_model_and_optimizer(
 
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(plain, model_state, options=options)
-    set_optimizer_state_dict(plain, optimizer.optimizer, optimizer_state, options=options)
+    set_optimizer_state_dict(plain, inner_optimizers(optimizer), optimizer_state, options=options)
 
 
 def save_final_weights(

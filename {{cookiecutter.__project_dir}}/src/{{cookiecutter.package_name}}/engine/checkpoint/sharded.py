@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .. import upstream
+from ..optimizers import inner_optimizers
 from . import format as fmt
 from . import full_state, save, ties
 from .format import SHARD_DIRS, CheckpointError
@@ -51,9 +52,7 @@ def state_dicts(
 
     plain = full_state.plain_model(accelerator, model)
     model_sd = ties.drop_aliases(get_model_state_dict(plain), ties.find(plain))
-    optim_sd = get_optimizer_state_dict(
-        plain, getattr(optimizer, "optimizer", optimizer), options=_options()
-    )
+    optim_sd = get_optimizer_state_dict(plain, inner_optimizers(optimizer), options=_options())
     tensors = {k: v for k, v in optim_sd.items() if isinstance(v, torch.Tensor)}
     plain_values = {k: _jsonable(v) for k, v in optim_sd.items() if k not in tensors}
     return model_sd, tensors, plain_values
@@ -164,7 +163,7 @@ def load(
     )
 
     plain = full_state.plain_model(accelerator, model)
-    inner = getattr(optimizer, "optimizer", optimizer)
+    inner = inner_optimizers(optimizer)  # one, or the list of several (optimizers.py)
     model_sd, optim_tensors, _ = state_dicts(accelerator, model, optimizer)
     try:
         dcp.load(model_sd, storage_reader=HuggingFaceStorageReader(str(ckpt / MODEL_DIR)))

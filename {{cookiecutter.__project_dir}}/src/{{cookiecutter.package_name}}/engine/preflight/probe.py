@@ -27,7 +27,9 @@ from ..agreement import StepAgreement
 from ..checkpoint import CheckpointError, CheckpointManager
 from ..checkpoint import format as fmt
 from ..nonfinite import LossGuard
+from ..optimizers import inner_optimizers
 from ..preemption import StopSignals
+from ..schedules import steps_on_metric
 from ..state import TrainState, rng_state
 from ..step import Step
 from .checks import Check, PreflightFailed, local_bytes, mib, sync
@@ -224,7 +226,8 @@ def _time_steps(cfg: DictConfig, acc: Any, state: TrainState) -> Timing:
         agreement=guard,
         clip_norm=cfg.trainer.grad_clip_norm,
         models=state.step.models,
-        optimizers=state.step.optimizers,
+        optimizer=state.step.all_optimizers,
+        frozen=state.step.frozen,
     )
     pf, trainer = cfg.preflight, cfg.trainer
     timing = Timing()
@@ -325,7 +328,8 @@ def _train_step(state: TrainState, step: Step, batches: Iterator) -> tuple[int, 
         state.task.training_step(step=step, batch=batch)
         if step.update_done():
             break
-    state.scheduler.step()
+    if not steps_on_metric(state.scheduler):  # ReduceLROnPlateau steps on evaluations
+        state.scheduler.step()
     return samples, tokens
 
 
@@ -391,7 +395,9 @@ def _forget_optimizer_state(optimizer: Any) -> None:
     loading initializes the state with a fake step (step 1, zero moments). No
     public API empties it, so clear ``optimizer.state`` (load_state_dict put a
     new dict there)."""
-    getattr(optimizer, "optimizer", optimizer).state.clear()
+    inner = inner_optimizers(optimizer)  # one, or each of several (optimizers.py)
+    for each in inner if isinstance(inner, list) else [inner]:
+        each.state.clear()
 
 
 @contextlib.contextmanager
