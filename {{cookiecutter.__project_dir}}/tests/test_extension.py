@@ -185,6 +185,7 @@ def test_a_gan_under_ddp_resumes_bit_exactly_after_kill_9(tmp_path):
         "trainer.eval_every_n_steps=20",
         "tracker=csv",
         "preflight=off",
+        f"+callbacks.counter._target_={USER}.EvalCounter",  # a callback with state
     ]
     straight = run_train(tmp_path / "straight", *args)
     assert straight.summary["world_size"] == 2
@@ -214,6 +215,8 @@ def test_a_gan_under_ddp_resumes_bit_exactly_after_kill_9(tmp_path):
         sorted((run_dir / "checkpoints").glob("step_*"))[-1] / "optimizer.pt", weights_only=True
     )
     assert sorted(opt) == ["discriminator", "optimizer"]
+    state = json.loads((run_dir / "checkpoints/step_0000060/trainer_state.json").read_text())
+    assert state["stateful"]["callbacks.counter"] == {"count": 3}  # 20, 40, 60: restored
 
 
 @pytest.mark.multiprocess
