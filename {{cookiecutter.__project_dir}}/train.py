@@ -206,7 +206,12 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
     # (trainer.on_nan: stop or skip) and a stop signal (SIGTERM/SIGUSR1/SIGUSR2/Ctrl-C:
     # save at the next agreed step boundary, then exit; checkpoints on)
     ck = cfg.checkpoint
-    guard = LossGuard(cfg.trainer.on_nan, accelerator)
+    guard = LossGuard(
+        cfg.trainer.on_nan,
+        accelerator,
+        skip_budget=cfg.trainer.skip_budget,  # on_nan=skip: at most this many in a row
+        clipping=bool(cfg.trainer.grad_clip_norm),
+    )
     signals = StopSignals(enabled=ck.enabled and ck.get("save_on_signal", True))
     agreement = StepAgreement(
         accelerator=accelerator,
@@ -418,6 +423,7 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
         f"done: {step} steps in {wall:.1f}s | "
         + " | ".join(f"{k} {v:.4f}" for k, v in book.last.items() if k.startswith("val/"))
         + f" | best {book.monitor} {book.best_value:.4f} at step {book.best_step}"
+        + (f" | {guard.skipped} updates dropped (on_nan=skip)" if guard.mode == "skip" else "")
         + f" | summary: {run_dir / 'summary.json'}"
     )
     accelerator.wait_for_everyone()  # gloo can abort at exit without this barrier

@@ -498,13 +498,23 @@ def test_nan_loss_stop_and_skip(tmp_path):
     assert all(torch.isfinite(t).all() for t in good.values())
     assert not (stop.run_dir / "model.safetensors").exists()
 
-    skip = run_train(tmp_path / "skip", *blow_up, "trainer.on_nan=skip")
+    no_limit = ("trainer.on_nan=skip", "trainer.skip_budget=null")
+    skip = run_train(tmp_path / "skip", *blow_up, *no_limit)
     assert skip.summary["skipped_nan_steps"] == 19  # every step after the first
     assert "update dropped (trainer.on_nan=skip)" in skip.output
+    assert "| 19 updates dropped (on_nan=skip)" in skip.output  # the final line says so
     state = json.loads((ckpt_dir(skip.run_dir, 20) / "trainer_state.json").read_text())
     assert state["loss_guard"]["skipped_nan_steps"] == 19
     final = weights(skip.run_dir)
     assert all(torch.equal(final[k], good[k]) for k in good)  # no update after step 1
+
+    # The budget (trainer.skip_budget): the 6th update dropped in a row stops the run
+    over = ("trainer.on_nan=skip", "trainer.skip_budget=5")
+    budget = run_train(tmp_path / "budget", *blow_up, *over, check=False)
+    assert budget.proc.returncode == 3 and "Traceback" not in budget.output
+    assert "not finite (NaN/inf) at steps 2..7: 6 updates in a row were dropped" in budget.output
+    assert "enable trainer.grad_clip_norm" in budget.output  # it is off here
+    assert steps_in(budget.run_dir)[-1] == 6  # none from the step that stopped it
 
 
 def test_tied_weights_round_trip(tmp_path):

@@ -60,6 +60,7 @@ class StepAgreement:
         NonFiniteLoss (``on_nan=stop``, naming the first step whose loss was not
         finite); returns True once the ranks have agreed that a stop signal came."""
         due = final or saving or step % self.every_n_steps == 0
+        self.guard.check_budget(step)  # on_nan=skip: the agreed count, the same on every rank
         if self.accelerator.num_processes == 1:
             if due:
                 self.guard.check(step, *self.guard.local_state())

@@ -7,7 +7,9 @@
   the ranks agree on it at log steps, before every checkpoint save and at the end
   (agreement.py: one all-reduce that also carries the stop signal).
 - ``skip``: an optimizer step whose loss was not finite is dropped (its
-  gradients are zeroed, the optimizer does not step) and counted. Deciding to
+  gradients are zeroed, the optimizer does not step) and counted. More than
+  ``trainer.skip_budget`` dropped in a row stop the run as ``stop`` does (exit 3,
+  naming the steps): a run that skips nearly everything is not a success. Deciding to
   drop needs the flag on the host, so this mode reads it once per optimizer step
   (not per micro-batch), as a GradScaler does; under several processes that is
   the step's one all-reduce (agreement.py), and the stop signal rides along.
@@ -46,10 +48,20 @@ class LossGuard:
     # long log interval keeps a bounded list.
     FOLD_AT = 1024
 
-    def __init__(self, on_nan: str, accelerator: Accelerator) -> None:
+    def __init__(
+        self,
+        on_nan: str,
+        accelerator: Accelerator,
+        *,
+        skip_budget: int | None = None,
+        clipping: bool = False,
+    ) -> None:
         self.mode = on_nan
         self.accelerator = accelerator
+        self.skip_budget = skip_budget  # skip mode: the most updates dropped in a row
+        self.clipping = clipping  # trainer.grad_clip_norm is set (for the advice)
         self.skipped = 0
+        self.in_a_row = 0  # updates dropped since the last applied one
         device = accelerator.device
         self._flags: list[torch.Tensor] = []  # finite? per micro-batch since the last fold
         self._ends: list[int] = []  # len(_flags) at the end of each optimizer step since
@@ -76,6 +88,7 @@ class LossGuard:
 
     def applied(self, ok: bool) -> bool:
         """Skip mode: the agreed decision for this step's update; a dropped one is counted."""
+        self.in_a_row = 0 if ok else self.in_a_row + 1
         if not ok:
             self.skipped += 1
             if self.skipped <= 10 or self.skipped % 100 == 0:
@@ -106,6 +119,23 @@ class LossGuard:
         self._fold()
         return ~self._all_ok, self._ok_steps
 
+    def check_budget(self, step: int) -> None:
+        """Skip mode, at each step boundary (the count is the ranks' agreed one): more
+        than ``skip_budget`` updates dropped in a row stop the run, naming them."""
+        if self.mode != "skip" or self.skip_budget is None or self.in_a_row <= self.skip_budget:
+            return
+        first = step - self.in_a_row + 1
+        raise NonFiniteLoss(
+            f"the training loss was not finite (NaN/inf) at steps {first}..{step}: "
+            f"{self.in_a_row} updates in a row were dropped, more than "
+            f"trainer.skip_budget={self.skip_budget} allows ({self.skipped} dropped in all); "
+            f"stopping. The newest checkpoint holds the last applied update. {self.advice()}"
+        )
+
+    def advice(self) -> str:
+        clip = "" if self.clipping else ", enable trainer.grad_clip_norm"
+        return f"Lower optimizer.lr{clip}, or look for the NaN's origin with debug=anomaly."
+
     def check(self, step: int, bad: torch.Tensor, ok_steps: torch.Tensor) -> None:
         """With the agreed ``bad`` and ``ok_steps`` (agreement.py): raise NonFiniteLoss
         naming the first bad step (stop mode); one host sync."""
@@ -114,14 +144,19 @@ class LossGuard:
             raise NonFiniteLoss(
                 f"the training loss was not finite (NaN/inf) at step {first_bad}; stopping "
                 "(trainer.on_nan=stop). The newest checkpoint is from before that step. "
-                "Lower optimizer.lr, enable trainer.grad_clip_norm, or set trainer.on_nan=skip."
+                f"{self.advice()} Or set trainer.on_nan=skip."
             )
         self._checked_step = step
         self._ok_steps.zero_()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"skipped_nan_steps": self.skipped, "checked_step": self._checked_step}
+        return {
+            "skipped_nan_steps": self.skipped,
+            "checked_step": self._checked_step,
+            "in_a_row": self.in_a_row,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.skipped = int(state["skipped_nan_steps"])
         self._checked_step = int(state["checked_step"])
+        self.in_a_row = int(state.get("in_a_row", 0))  # older checkpoints: none kept
