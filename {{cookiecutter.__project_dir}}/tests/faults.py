@@ -3,6 +3,7 @@
 
 import hashlib
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -21,6 +22,19 @@ class FailsOnRank1(MLP):
         FailsOnRank1.calls += 1
         if os.environ.get("RANK") == "1" and FailsOnRank1.calls == 5:
             raise RuntimeError("injected failure on rank 1")
+        return super().forward(x)
+
+
+class KilledOnRank1(MLP):
+    """Rank 1 kills itself with SIGKILL in its 5th forward pass, on every attempt: a
+    lost process each time (restarted until parallel.max_restarts runs out)."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        KilledOnRank1.calls += 1
+        if os.environ.get("RANK") == "1" and KilledOnRank1.calls == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
         return super().forward(x)
 
 

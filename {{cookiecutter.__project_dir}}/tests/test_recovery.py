@@ -162,21 +162,37 @@ def test_a_stopped_worker_is_found_named_and_the_group_restarted(tmp_path, strai
 
 
 def test_restarts_exhausted_exit_non_zero_with_the_history(tmp_path):
-    """Rank 1 fails in its 5th step on every attempt: one restart, then the run
+    """Rank 1 is killed in its 5th step on every attempt: one restart, then the run
     fails, naming rank 1 and keeping both attempts in summary.json."""
     run_dir = tmp_path / "run"
-    proc = start(run_dir, "model._target_=tests.faults.FailsOnRank1", "parallel.max_restarts=1")
+    proc = start(run_dir, "model._target_=tests.faults.KilledOnRank1", "parallel.max_restarts=1")
+    code = proc.wait(timeout=300)
+    out = (tmp_path / "run.out").read_text(errors="replace")
+    assert code == 137, out[-5000:]  # 128 + SIGKILL
+    assert "rank 1 failed first (SIGKILL" in out and "restarts exhausted" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "best" not in summary
+    assert summary["failure"] == {"attempt": 1, "cause": "SIGKILL", "ranks": [1]}
+    assert summary["not_restarted"] == "restarts exhausted (parallel.max_restarts)"
+    (entry,) = summary["recoveries"]
+    assert entry["attempt"] == 0 and entry["ranks"] == [1] and entry["cause"] == "SIGKILL"
+    assert entry["resumed_from_step"] == 0  # no checkpoint yet: a fresh start
+
+
+def test_an_error_the_program_raises_is_not_retried(tmp_path):
+    """An exception at a fixed step on rank 1 repeats on a restart: one attempt, its
+    real error (type, message, stack) on the console, and summary.json says why."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "model._target_=tests.faults.FailsOnRank1")  # max_restarts=2
     code = proc.wait(timeout=300)
     out = (tmp_path / "run.out").read_text(errors="replace")
     assert code == 1, out[-5000:]
-    assert "rank 1 failed first (exit code 1" in out and "injected failure on rank 1" in out
-    assert "restarts exhausted" in out
+    assert "rank 1 failed first (exit code 1): RuntimeError: injected failure on rank 1" in out
+    assert "in forward" in out  # the stack's last lines
+    assert "restarting the group" not in out and "attempt 0 failed" in out
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "failed" and "best" not in summary
-    assert summary["failure"] == {"attempt": 1, "cause": "exit code 1", "ranks": [1]}
-    (entry,) = summary["recoveries"]
-    assert entry["attempt"] == 0 and entry["ranks"] == [1] and entry["cause"] == "exit code 1"
-    assert entry["resumed_from_step"] == 0  # no checkpoint yet: a fresh start
+    assert summary["status"] == "failed" and summary["recoveries"] == []
+    assert summary["not_restarted"].startswith("an error the program raised repeats")
 
 
 def test_torchrun_workers_die_with_their_torchrun(tmp_path):

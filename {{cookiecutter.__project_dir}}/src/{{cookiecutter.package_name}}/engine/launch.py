@@ -266,16 +266,16 @@ def _spawn(fn: Callable[[DictConfig, Path], Any], cfg: DictConfig, run_dir: Path
                 rank, failure = _first_failure(err)
                 code = recovery.exit_status(failure.exitcode)
                 message = _failure_message(rank, failure)
-                again = number < max_restarts and recovery.restartable(
-                    failure.exitcode, run_dir, number
-                )
+                why = recovery.not_restartable(failure.exitcode, run_dir, number, message)
+                again = number < max_restarts and why is None
                 if main:
                     recovery.note_failure(
                         run_dir, number, rank=rank, exit_code=failure.exitcode, message=message
                     )
                 if not again:
-                    if main and number > 0:  # the history of this launch's restarts
-                        recovery.write_failed_summary(run_dir, number, message)
+                    trained = why is None or not why.startswith("the attempt failed before")
+                    if main and max_restarts and trained:  # the history, and why it ends
+                        recovery.write_failed_summary(run_dir, number, message, why)
                     raise LaunchError(message, code) from None
                 log.warning(
                     f"{message.splitlines()[0][:300]}\nattempt {number} failed: restarting the "
@@ -294,6 +294,9 @@ def _spawn(fn: Callable[[DictConfig, Path], Any], cfg: DictConfig, run_dir: Path
     raise AssertionError("unreachable")  # the loop returns or raises
 
 
+STACK_LINES = 12  # of the first failing rank's traceback, in the console and train.log
+
+
 def _first_failure(err: Any) -> tuple[int, Any]:
     """The rank that failed first: the earliest (elastic's timestamps are whole
     seconds) and, among ties, one that found a hang (its message names the ranks
@@ -309,12 +312,19 @@ def _first_failure(err: Any) -> tuple[int, Any]:
 
 
 def _failure_message(rank: int, failure: Any) -> str:
+    """The first failing rank's real error: its exception (type and message) first,
+    then the last lines of its stack; one line for a known stop or a signal."""
     code = recovery.exit_status(failure.exitcode)
     details = failure.message  # a dict from record()'s error file, else a string
-    if isinstance(details, dict):  # a traceback for crashes, one line for known stops
-        trace = details.get("extraInfo", {}).get("py_callstack")
-        details = trace if code == 1 and trace else details.get("message")
     cause = recovery.cause_of(failure.exitcode)
+    if isinstance(details, dict):  # a traceback for crashes, one line for known stops
+        error = str(details.get("message", "")).strip()
+        trace = str(details.get("extraInfo", {}).get("py_callstack") or "").strip()
+        if code == 1 and trace:
+            last = trace.splitlines()[-STACK_LINES:]
+            head = f"rank {rank} failed first ({cause}): {error or last[-1]}"
+            return f"{head}\nTraceback (its last {len(last)} lines):\n" + "\n".join(last)
+        details = error
     return f"rank {rank} failed first ({cause}, exit code {code}): {details}"
 
 

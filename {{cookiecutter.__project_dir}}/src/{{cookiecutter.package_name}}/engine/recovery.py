@@ -48,13 +48,39 @@ def exit_status(exit_code: int) -> int:
     return exit_code if exit_code >= 0 else 128 - exit_code
 
 
-def restartable(exit_code: int, run_dir: Path, number: int) -> bool:
-    """Whether a failed attempt is worth another: not a deliberate or deterministic
-    stop, and the attempt was training (its heartbeats exist): a failure before the
-    loop (a config, a checkpoint, preflight) would fail again the same way."""
-    if exit_status(exit_code) in NOT_RESTARTED:
-        return False
-    return bool(read_beats(attempt_dir(run_dir, number)))
+# A rank's exception that a lost peer or a network fault causes, which a restart can
+# outlive (torch's DistError family, gloo's and NCCL's words for a peer gone or late).
+TRANSIENT = (
+    "DistBackendError",
+    "DistNetworkError",
+    "DistStoreError",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL error",
+    "Timed out",
+    "timed out",
+)
+
+
+def not_restartable(exit_code: int, run_dir: Path, number: int, error: str) -> str | None:
+    """Why a failed attempt is not worth another (None: it is). Restarts are for faults
+    that can pass: a lost process (a signal), a hang (the watchdog's exit 5), a peer's
+    or the network's fault. Not for a deliberate or deterministic stop (bad input, a
+    non-finite loss, a pruned trial, a stop signal), nor for an error the program
+    raised (exit 1: an exception, a full disk, a failed check), which repeats at the
+    same step; nor for an attempt that never reached the loop (no heartbeats)."""
+    status = exit_status(exit_code)
+    if status in NOT_RESTARTED:
+        return f"exit code {status} is a deliberate or deterministic stop"
+    if not read_beats(attempt_dir(run_dir, number)):
+        return "the attempt failed before training began: it would fail the same way"
+    if status == 1 and not any(marker in error for marker in TRANSIENT):
+        return (
+            "an error the program raised repeats when the group is restarted (restarts are "
+            "for lost processes, hangs and lost peers): fix it, then run the same command"
+        )
+    return None
 
 
 def note_failure(run_dir: Path, number: int, *, rank: int, exit_code: int, message: str) -> None:
@@ -166,19 +192,25 @@ def history(run_dir: Path, upto: int | None = None) -> list[dict[str, Any]]:
     ]
 
 
-def write_failed_summary(run_dir: Path, number: int, message: str) -> None:
-    """Restarts exhausted (the launcher): ``summary.json`` holds the history (no
-    ``best``: claim.py reads it as a run to continue, not a finished one)."""
+def write_failed_summary(
+    run_dir: Path, number: int, message: str, not_restarted: str | None = None
+) -> None:
+    """A failed launch (the launcher): ``summary.json`` holds the history and why no
+    restart was made (no ``best``: claim.py reads it as a run to continue, not a
+    finished one)."""
     failed = describe(run_dir, number)
     summary = {
         "status": "failed",
         "failure": {"attempt": number, **{k: failed[k] for k in ("cause", "ranks")}},
         "message": message[-2000:],
         "recoveries": history(run_dir, upto=number),
+        "not_restarted": not_restarted or "restarts exhausted (parallel.max_restarts)",
     }
-    write_json_atomic(Path(run_dir) / "summary.json", summary)
+    with contextlib.suppress(OSError):  # a full disk: the console has the report anyway
+        write_json_atomic(Path(run_dir) / "summary.json", summary)
+    why = not_restarted or "restarts exhausted"
     log.error(
-        f"restarts exhausted: attempt {number} failed too ({failed['cause']}, rank(s) "
-        f"{failed['ranks']}); {len(summary['recoveries'])} recoveries before it "
+        f"{why}: attempt {number} failed ({failed['cause']}, rank(s) {failed['ranks']}); "
+        f"{len(summary['recoveries'])} recoveries before it "
         f"(summary: {Path(run_dir) / 'summary.json'})"
     )
