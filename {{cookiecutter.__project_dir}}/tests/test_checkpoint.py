@@ -29,7 +29,7 @@ from {{ cookiecutter.package_name }}.engine.checkpoint import format as fmt
 from {{ cookiecutter.package_name }}.engine.checkpoint.__main__ import main as checkpoint_cli
 from {{ cookiecutter.package_name }}.engine.config import ConfigError, check_config, resolve_config
 
-from .conftest import ONE_PROCESS, PROJECT_ROOT, TRAIN_WITH_FAULTS, run_train
+from .conftest import ONE_PROCESS, PROJECT_ROOT, TRAIN_WITH_FAULTS, fingerprints, run_train
 
 # 80 steps over 4 epochs of 23 batches; checkpoints every 7 steps (mid-epoch),
 # on each new best val/acc (evaluated every 10 steps) and at the end.
@@ -456,8 +456,11 @@ def test_incompatible_config_is_refused_listing_the_keys(reference, tmp_path):
     ids=["full", "read-only"],
 )
 def test_disk_errors_fail_clearly_and_keep_earlier_checkpoints(
-    tmp_path, options, error, failed_step, left
+    tmp_path, reference, options, error, failed_step, left
 ):
+    """A full (or read-only) disk: one clear message (a full one names the file system,
+    what it has free and what a checkpoint takes), nothing half-written left; once
+    there is room again, the same command resumes and ends bit-exact."""
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("needs root to mount a small tmpfs")
     run = tmp_path / "run"
@@ -476,6 +479,15 @@ def test_disk_errors_fail_clearly_and_keep_earlier_checkpoints(
         assert "Traceback" not in failed.output
         assert sorted(p.name for p in root.iterdir()) == left  # no *.tmp left behind
         assert all(verify_checkpoint(root / name) is None for name in left if "step" in name)
+        if "size" in options:
+            assert f"the disk is full: the file system mounted at {root} (tmpfs) has " in (
+                failed.output
+            )
+            assert "MiB free of 0.5 MiB; one checkpoint of this run takes about" in failed.output
+            subprocess.run(["mount", "-o", "remount,size=8m", str(root)], check=True)
+            resumed = run_train(run, *ARGS, "checkpoint.save_best.enabled=false")
+            assert "resuming from" in resumed.output or resumed.summary["resumed_from"]
+            assert fingerprints(run) == fingerprints(reference(0))
     finally:
         subprocess.run(["umount", str(root)], check=True)
 

@@ -333,7 +333,7 @@ def _worker(
 ) -> Any:
     """Entry point of a spawned worker: the resolved config, never Hydra again;
     ``number``: the attempt (0, then one more per in-job restart)."""
-    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
     _die_with_parent()
     skip_the_final_collection()
@@ -348,6 +348,8 @@ def _worker(
         if not hasattr(err, "exit_code"):
             raise
         log.error(str(err))
+        if err.exit_code == 1:  # a failure: its message is the launcher's report of it
+            ErrorHandler().record_exception(err)
         sys.exit(err.exit_code)
 
 

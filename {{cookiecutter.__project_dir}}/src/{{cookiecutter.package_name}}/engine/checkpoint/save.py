@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .. import disk
 from ..files import fsync_dir, write_durable, write_json_atomic
 from . import folder
 from . import format as fmt
@@ -207,6 +208,16 @@ def write_error(job: SaveJob, failed: Exception) -> CheckpointError:
             f"could not write checkpoint {job.name} in {job.root}: {failed}. Earlier "
             "checkpoints are intact; this is not a disk problem: the state itself could "
             "not be written in this format (checkpoint.format, docs/checkpoints.md)."
+        )
+    if disk.is_full(failed):
+        committed = folder.committed_checkpoints(job.root) if job.root.is_dir() else []
+        needed = disk.tree_bytes(committed[-1]) if committed else None
+        return CheckpointError(
+            f"could not write checkpoint {job.name} in {job.root}: {failed.strerror} "
+            f"({failed.filename or ''}): {disk.full_disk_report(job.root, needed)}. Earlier "
+            "checkpoints are intact; free space there (older runs, fewer checkpoints kept: "
+            "checkpoint.keep_last) or put runs_root on a larger disk, then restart the same "
+            "command to resume."
         )
     return CheckpointError(
         f"could not write checkpoint {job.name} in {job.root}: {failed.strerror or failed} "
