@@ -410,7 +410,7 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
         "best": book.best(),
         "resumed_from": ckpt.resumed_from,  # null for a fresh start
         "skipped_nan_steps": guard.skipped,
-        "recoveries": history(run_dir),  # in-job restarts of this launch (recovery.py)
+        "recoveries": history(run_dir),  # in-job restarts, every launch's (recovery.py)
         **fine_tuned,  # checkpoint.init_from: the source and the keys that did not fit
         **stopper.summary(),  # trainer.early_stopping: whether, when and why it stopped
     }

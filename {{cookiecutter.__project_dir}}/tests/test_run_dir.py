@@ -437,3 +437,30 @@ def test_a_failed_attempt_changes_nothing_and_the_next_one_extends_the_run(tmp_p
     longer = run_train(run_dir, *SHORT, "trainer.max_steps=30")
     assert longer.summary["step"] == 30 and "is a finished run" not in longer.output
     assert json.loads((run_dir / "config.json").read_text())["trainer"]["max_steps"] == 30
+
+
+def test_the_history_of_recoveries_is_kept_across_launches(tmp_path, monkeypatch):
+    """Each launch numbers its attempts from 0 again (hangs/0/ is reused): the run's
+    recoveries.json keeps every launch's recovery, and the summary lists them all."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+
+    from {{ cookiecutter.package_name }}.engine import recovery
+    from {{ cookiecutter.package_name }}.engine.watchdog import attempt_dir
+
+    accelerator = Accelerator(cpu=True)
+    for launch, step in enumerate((20, 40)):
+        failed = attempt_dir(tmp_path, 0)  # this launch's first attempt failed at `step`
+        failed.mkdir(parents=True, exist_ok=True)
+        beat = {"rank": 1, "step": step + 5, "progress_at": 1, "alive_at": 2, "started_at": 0}
+        (failed / "beat_rank1.json").write_text(json.dumps(beat))
+        recovery.note_failure(tmp_path, 0, rank=1, exit_code=-9, message="killed")
+        monkeypatch.setenv("TRAIN_ATTEMPT", "1")  # the restarted attempt
+        plan = SimpleNamespace(checkpoint=None, step=step)
+        entry = recovery.note_recovery(tmp_path, plan, accelerator)
+        assert entry["cause"] == "SIGKILL" and entry["steps_redone"] == 5
+        resumed = [e["resumed_from_step"] for e in recovery.history(tmp_path)]
+        assert resumed == [20, 40][: launch + 1]
+    (tmp_path / "recoveries.json").write_text("{not json")
+    assert recovery.history(tmp_path) == []  # malformed: none, never a crash

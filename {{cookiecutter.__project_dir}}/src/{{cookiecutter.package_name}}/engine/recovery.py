@@ -6,8 +6,9 @@ heartbeats and, after a hang, their stacks and reports (watchdog.py); after a
 failure, the launcher's note of the rank that failed first and how
 (``failure.json``, launch.py; torchrun writes none: then the heartbeats say which
 ranks stopped first). The restarted attempt's main process reads them once it has
-restored the checkpoint and writes the recovery's entry (``recovery.json``); the
-summary lists the entries of every restart of this launch (``history``).
+restored the checkpoint and writes the recovery's entry (``recovery.json``); the run
+dir's ``recoveries.json`` keeps every entry, of every launch, and the summary lists
+them (``history``).
 Nothing read here is executed; a malformed file counts as absent.
 """
 
@@ -21,10 +22,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import trust
 from .files import write_json_atomic
 from .watchdog import EXIT_HANG, attempt, attempt_dir, read_beats
 
 log = logging.getLogger(__name__)
+RECOVERIES = "recoveries.json"  # in the run dir: every recovery of the run, every launch
 
 # Exit codes a restart cannot help (entry.py): bad input, a non-finite loss, a pruned
 # trial; and the stop signals (128 + N: SIGINT, SIGUSR1, SIGUSR2, SIGTERM), which
@@ -172,6 +175,8 @@ def note_recovery(run_dir: Path, resume: Any, accelerator: Any) -> dict[str, Any
         "seconds_lost": round(now - max(saved_at, failed["started_at"]), 1),
     }
     write_json_atomic(attempt_dir(run_dir, number - 1) / "recovery.json", entry)
+    # the run's whole history, across launches (a launch's hangs/<attempt>/ are reused)
+    write_json_atomic(Path(run_dir) / RECOVERIES, [*history(run_dir), entry])
     ranks = ", ".join(map(str, entry["ranks"])) or "?"
     log.warning(
         f"recovered from attempt {entry['attempt']}'s failure (rank {ranks}: {entry['cause']}, "
@@ -182,14 +187,14 @@ def note_recovery(run_dir: Path, resume: Any, accelerator: Any) -> dict[str, Any
     return entry
 
 
-def history(run_dir: Path, upto: int | None = None) -> list[dict[str, Any]]:
-    """Every recovery of this launch before attempt ``upto`` (default: this one):
-    the summary's ``recoveries``."""
-    return [
-        entry
-        for number in range(attempt() if upto is None else upto)
-        if (entry := _read(attempt_dir(run_dir, number) / "recovery.json"))
-    ]
+def history(run_dir: Path) -> list[dict[str, Any]]:
+    """Every recovery of the run, of every launch (``recoveries.json``): the summary's
+    ``recoveries``. A malformed file counts as none."""
+    try:
+        entries = trust.read_json(Path(run_dir) / RECOVERIES)
+    except (OSError, trust.Malformed):
+        return []
+    return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
 
 
 def write_failed_summary(
@@ -203,7 +208,7 @@ def write_failed_summary(
         "status": "failed",
         "failure": {"attempt": number, **{k: failed[k] for k in ("cause", "ranks")}},
         "message": message[-2000:],
-        "recoveries": history(run_dir, upto=number),
+        "recoveries": history(run_dir),
         "not_restarted": not_restarted or "restarts exhausted (parallel.max_restarts)",
     }
     with contextlib.suppress(OSError):  # a full disk: the console has the report anyway
