@@ -298,15 +298,16 @@ STACK_LINES = 12  # of the first failing rank's traceback, in the console and tr
 
 
 def _first_failure(err: Any) -> tuple[int, Any]:
-    """The rank that failed first: the earliest (elastic's timestamps are whole
-    seconds) and, among ties, one that found a hang (its message names the ranks
-    that stopped) or was killed by a signal, before the ranks that then failed
-    waiting for it."""
+    """The rank whose failure is the cause: one that found a hang (its message names
+    the ranks that stopped; the stopped one it then SIGKILLed, rank 0 included, is its
+    consequence), else the earliest (elastic's timestamps are whole seconds) and,
+    among ties, one killed by a signal, before the ranks that then failed waiting for
+    it."""
     from .watchdog import EXIT_HANG
 
     def order(item: tuple[int, Any]) -> tuple:
         rank, failure = item
-        return (failure.timestamp, failure.exitcode != EXIT_HANG, failure.exitcode >= 0, rank)
+        return (failure.exitcode != EXIT_HANG, failure.timestamp, failure.exitcode >= 0, rank)
 
     return min(err.failures.items(), key=order)
 
