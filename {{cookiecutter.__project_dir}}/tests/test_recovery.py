@@ -234,3 +234,21 @@ def test_torchrun_workers_die_with_their_torchrun(tmp_path):
     finally:
         launcher.kill()
         launcher.wait()
+
+
+def test_the_rank_that_found_a_hang_is_the_cause_even_after_its_kill_of_rank_0():
+    """Rank 0 stopped: rank 1's watchdog SIGKILLs it, then exits 5 with the report; the
+    kill has the earlier timestamp, the report names the cause (a hang of rank 0)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from {{ cookiecutter.package_name }}.engine.launch import _failure_message, _first_failure
+
+    killed = ProcessFailure(local_rank=0, pid=1, exitcode=-9, error_file="/nonexistent")
+    found = ProcessFailure(local_rank=1, pid=2, exitcode=5, error_file="/nonexistent")
+    found.message = "hang: rank(s) 0 made no progress (rank 0: after step 42 in step)"
+    killed.timestamp, found.timestamp = 100, 101
+    err = ChildFailedError("train", {0: killed, 1: found})
+    rank, failure = _first_failure(err)
+    assert rank == 1
+    message = _failure_message(rank, failure)
+    assert message.startswith("rank 1 failed first (hang, exit code 5): hang: rank(s) 0 made no")
