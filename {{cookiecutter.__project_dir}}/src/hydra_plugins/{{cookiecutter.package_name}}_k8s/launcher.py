@@ -239,11 +239,15 @@ def _default_run_name(task_cfg: DictConfig) -> bool:
 
 def _remove_if_only_multirun_yaml(sweep_dir: Path, *, stop: Path) -> None:
     """Hydra's sweeper wrote multirun.yaml into a new sweep dir before the launcher
-    ran; a command refused here leaves nothing behind (empty parents below
-    ``stop`` included)."""
+    ran; a command refused here leaves nothing behind: the folders made for it (the
+    runs root too, NoteExistingFolders), or, not noted, the empty ones below ``stop``."""
+    from {{ cookiecutter.package_name }}.engine.run_dir import made_by_this_launch
+
     if not sweep_dir.is_dir() or {p.name for p in sweep_dir.iterdir()} - {"multirun.yaml"}:
         return
     shutil.rmtree(sweep_dir)
+    if made_by_this_launch(sweep_dir.parent, remove=True):  # runs_root too, if made now
+        return
     for parent in sweep_dir.parents:
         if parent == stop or not parent.is_dir() or any(parent.iterdir()):
             break

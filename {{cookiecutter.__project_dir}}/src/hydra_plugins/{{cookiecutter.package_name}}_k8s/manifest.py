@@ -72,9 +72,25 @@ def _env(v: Any) -> bool:
     )
 
 
+# An image reference as the OCI distribution spec writes it: [host[:port]/]path[:tag][@digest]
+# (lowercase path components; a tag of at most 128 characters; nothing else: no spaces,
+# no newlines).
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+_HOST = rf"{_LABEL}(?:\.{_LABEL})*"
+IMAGE = re.compile(
+    rf"(?:{_HOST}(?::[0-9]+)?/)?{_COMPONENT}(?:/{_COMPONENT})*"
+    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@[a-z0-9]+(?:[+._-][a-z0-9]+)*:[0-9a-fA-F]{32,})?"
+)
+
+
+def image_reference(v: Any) -> bool:
+    return isinstance(v, str) and IMAGE.fullmatch(v) is not None
+
+
 # hydra.launcher.<key>: the check, and what is allowed (configs/hydra/launcher/k8s.yaml).
 RULES = {
-    "image": (lambda v: isinstance(v, str) and v.strip() == v != "", "an image reference"),
+    "image": (image_reference, "an image reference, e.g. registry.example.com/team/trainer:1.0"),
     "namespace": (
         lambda v: v is None or (isinstance(v, str) and len(v) <= 63 and DNS_LABEL.match(v)),
         "null (kubectl's current namespace) or a namespace name",

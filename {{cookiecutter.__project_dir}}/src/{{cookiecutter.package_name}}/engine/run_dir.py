@@ -140,6 +140,15 @@ class NoteExistingFolders(Callback):
         _EXISTED.update(p for p in _on_the_way(path) if p.exists())
         _NOTED.append(path)
 
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """The same for a sweep dir (a launcher that refuses bad input removes it)."""
+        try:
+            path = Path(str(config.hydra.sweep.dir))
+        except Exception:
+            return
+        _EXISTED.update(p for p in _on_the_way(path) if p.exists())
+        _NOTED.append(path)
+
 
 _EXISTED: set[Path] = set()  # folders on the way to the run dir before Hydra made it
 _NOTED: list[Path] = []  # the run dirs noted (none: remove nothing)
