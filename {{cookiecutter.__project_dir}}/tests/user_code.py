@@ -9,10 +9,9 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import TensorDataset
 
 from {{ cookiecutter.package_name }}.contract import Callback, make_loaders
-from {{ cookiecutter.package_name }}.data.digits import load_digits
+from {{ cookiecutter.package_name }}.data.digits import digits
 from {{ cookiecutter.package_name }}.tasks.classification import Classification, cross_entropy
 from {{ cookiecutter.package_name }}.tasks.language_model import LanguageModel
 
@@ -56,28 +55,15 @@ class FreezeFirst(Classification):
         return super().param_groups(model)  # decay_groups skips what needs no gradient
 
 
-def dict_digits(
-    batch_size: int,
-    seed: int,
-    val_batch_size: int = 512,
-    val_fraction: float = 0.2,
-    split_seed: int = 0,
-    num_workers: int = 0,
-    pin_memory: bool | None = None,
-):
+def dict_digits(**digits_keys):
     """4. A custom collate: the digits (data=digits' keys) as dict batches."""
-    images, labels = load_digits()
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(split_seed))
-    n_val = round(len(labels) * val_fraction)
-    val, train = order[:n_val], order[n_val:]
+    loaders = digits(**digits_keys)
     return make_loaders(
-        TensorDataset(images[train], labels[train]),
-        TensorDataset(images[val], labels[val]),
-        batch_size=batch_size,
-        seed=seed,
-        val_batch_size=val_batch_size,
-        num_workers=num_workers,
-        pin_memory=pin_memory,
+        loaders.train.dataset,
+        loaders.val.dataset,
+        batch_size=digits_keys["batch_size"],
+        seed=digits_keys["seed"],
+        val_batch_size=digits_keys.get("val_batch_size"),
         collate_fn=as_dict,
     )
 
