@@ -243,6 +243,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         f"{pkg}/engine/callbacks.py",
         f"{pkg}/engine/optimizers.py",
         f"{pkg}/engine/frozen.py",
+        f"{pkg}/engine/disk.py",
         f"{pkg}/engine/sweep.py",
         f"{pkg}/engine/throughput.py",
         f"{pkg}/engine/trackers.py",
