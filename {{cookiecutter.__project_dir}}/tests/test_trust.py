@@ -93,6 +93,16 @@ def trainer_state_without_keys(ckpt: Path, _: Path) -> None:
     forge(ckpt, "trainer_state.json", json.dumps({"step": 30}).encode())
 
 
+def absurd_step(ckpt: Path, _: Path) -> None:
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    forge(ckpt, "trainer_state.json", json.dumps({**state, "step": 10**18}).encode())
+
+
+def step_not_the_manifests(ckpt: Path, _: Path) -> None:
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    forge(ckpt, "trainer_state.json", json.dumps({**state, "step": 29}).encode())
+
+
 def huge_safetensors_header(ckpt: Path, _: Path) -> None:
     forge(ckpt, "model.safetensors", (2**62).to_bytes(8, "little") + b"{}" + b" " * 62)
 
@@ -107,6 +117,8 @@ CASES = {
     "deep trainer_state": (deep_trainer_state, "nested more than 64 deep"),
     "trainer_state without keys": (trainer_state_without_keys, "epoch is not an integer"),
     "huge safetensors header": (huge_safetensors_header, "not a safetensors file"),
+    "absurd step": (absurd_step, "step is not an integer in [0, 2**53)"),
+    "step not the manifest's": (step_not_the_manifests, "its step 29 is not the manifest's 30"),
 }
 
 
@@ -156,7 +168,9 @@ def test_a_hostile_checkpoint_is_refused_or_skipped_everywhere(base, tmp_path, c
     assert not marker.exists()  # nothing was run, anywhere
 
 
-@pytest.mark.parametrize("case", ["config target", "deep trainer_state", "huge safetensors header"])
+@pytest.mark.parametrize(
+    "case", ["config target", "deep trainer_state", "huge safetensors header", "absurd step"]
+)
 def test_resume_skips_a_hostile_checkpoint_of_its_own_run(base, tmp_path, case):
     rewrite, problem = CASES[case]
     marker = tmp_path / "PAYLOAD_RAN"

@@ -164,7 +164,7 @@ def check_manifest(manifest: Any) -> dict[str, Any]:
         _require(isinstance(entry, dict) and _is_count(entry.get("size")), f"{name}: no size")
         entry_hash(entry)
     for key in ("step", "epoch", "batch"):
-        _require(_is_count(manifest.get(key, 0)), f"{key} is not an integer >= 0")
+        _require(_is_count(manifest.get(key, 0)), f"{key} is not an integer in [0, 2**53)")
     for key in ("world_size", "grad_accum_steps"):
         _require(_is_count(manifest.get(key, 1)) and manifest.get(key, 1) >= 1, f"bad {key}")
     _require(manifest.get("layout", "full") in LAYOUTS, "unknown layout")
@@ -176,7 +176,7 @@ def check_trainer_state(state: Any) -> dict[str, Any]:
     """trainer_state.json: the position as integers, the extras' states as objects."""
     _require(isinstance(state, dict), "not an object")
     for key in ("step", "epoch", "batch"):
-        _require(_is_count(state.get(key)), f"{key} is not an integer >= 0")
+        _require(_is_count(state.get(key)), f"{key} is not an integer in [0, 2**53)")
     for key in ("batches_per_epoch", "samples_in_epoch"):
         _require(state.get(key) is None or _is_count(state[key]), f"{key} is not an integer")
     _require(isinstance(state.get("stateful", {}), dict), "stateful is not an object")
@@ -209,8 +209,11 @@ def _require(ok: bool, problem: str) -> None:
         raise ValueError(problem)
 
 
+MAX_COUNT = 2**53  # a step, size or position past this is no run's (and no float's)
+
+
 def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_COUNT
 
 
 def _size_checked(ckpt: Path, name: str, expected: dict[str, Any]) -> Path:
@@ -281,6 +284,14 @@ def verify_files(
         check.result()  # a hash problem explains a parse error: report it first
     if parse_error is not None:
         raise parse_error
+    trainer = parsed.get(TRAINER_STATE)
+    if isinstance(trainer, dict):  # judged by what it holds: the position the manifest names
+        for key in ("step", "epoch", "batch"):
+            if key in manifest and trainer.get(key) != manifest[key]:
+                raise CheckpointError(
+                    f"{ckpt / TRAINER_STATE}: refused: its {key} {trainer.get(key)!r} is not "
+                    f"the manifest's {manifest[key]!r}"
+                )
     return parsed
 
 
@@ -294,15 +305,17 @@ def verify_checkpoint(ckpt: Path) -> str | None:
     return None
 
 
-def check_content(name: str, path: Path) -> None:
+def check_content(name: str, path: Path) -> Any:
     """What makes a checkpoint valid beyond its checksums, the same for every reader
     (resume, eval, load_model, the CLI): its JSON files parse and hold what they
-    must (JSON_CHECKS), its safetensors headers parse. Pickled files are checked
-    when loaded (weights_only)."""
+    must (JSON_CHECKS; returned, for the checks across files of ``verify_files``),
+    its safetensors headers parse. Pickled files are checked when loaded
+    (weights_only)."""
     if name.endswith(".json"):
-        parse_file(name, path)
-    elif name.endswith(".safetensors"):
+        return parse_file(name, path)
+    if name.endswith(".safetensors"):
         check_safetensors_header(path)
+    return None
 
 
 def check_safetensors_header(path: Path) -> None:
