@@ -17,11 +17,14 @@ TEST_DEPS := "cookiecutter>=2.6,<3" "pytest>=8" "ruff>=0.17,<0.18" \
 
 .PHONY: demo test bench clean
 
-$(STAMP): Makefile
+# The engine (training_engine/, its own distribution) editable: the bakes' tests in
+# this environment run the working tree's engine, as the baked pins name it.
+$(STAMP): Makefile training_engine/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q $(TEST_DEPS)
+	$(BIN)/pip install -q --no-deps -e training_engine
 	touch $@
 
 # Bake the template with its defaults, install the project, train the example.

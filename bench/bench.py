@@ -385,8 +385,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
         available = importlib.util.find_spec("tensorboard") is not None
         wanted = ["csv"] + (["tensorboard"] if available and not args.quick else [])
-        trackers = bench_project.root() / "configs" / "tracker"
-        args.trackers = [t for t in wanted if (trackers / f"{t}.yaml").exists()]
+        from training_engine.testing import config_options
+
+        options = config_options(bench_project.root())
+        args.trackers = [t for t in wanted if ("tracker", t) in options]
     else:
         args.trackers = [t.strip() for t in args.trackers.split(",") if t.strip()]
     return args

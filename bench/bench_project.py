@@ -2,7 +2,8 @@
 projects it writes, so it is pointed at one: ``--project DIR`` (a directory the
 template baked; ``BENCH_PROJECT`` in the environment), passed on to every process
 the bench starts. Its package is found by the template's layout (the one package
-under ``src/`` with an ``engine/``) and imported by that name."""
+under ``src/`` with a ``contract.py``) and imported by that name; the engine is
+``training_engine``."""
 
 import argparse
 import importlib
@@ -52,17 +53,19 @@ def root() -> Path:
 
 
 def package_name() -> str:
-    found = sorted(p.parent.name for p in (root() / "src").glob("*/engine"))
+    found = sorted(p.parent.name for p in (root() / "src").glob("*/contract.py"))
     if len(found) != 1:
         where = root() / "src"
-        raise SystemExit(f"bench: expected one package with an engine/ in {where}: {found}")
+        raise SystemExit(f"bench: expected one package with a contract.py in {where}: {found}")
     return found[0]
 
 
 def module(name: str = "") -> ModuleType:
-    """The project's ``<package>.<name>`` (``module("engine.config")``; ``module()``: the
-    package itself)."""
+    """The project's ``<package>.<name>`` (``module()``: the package itself); the
+    engine's for ``engine.<name>`` (``module("engine.config")``: training_engine.config)."""
     src = str(root() / "src")
     if src not in sys.path:
         sys.path.insert(0, src)
+    if name == "engine" or name.startswith("engine."):
+        return importlib.import_module("training_" + name)
     return importlib.import_module(".".join(filter(None, [package_name(), name])))

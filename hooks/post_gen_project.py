@@ -16,11 +16,14 @@ SLUG = json.loads(r'''{{ cookiecutter.project_slug | tojson }}''')
 PACKAGE_MANAGER = json.loads(r'''{{ cookiecutter.package_manager | tojson }}''')
 CONTEXT = json.loads(r'''{{ cookiecutter | tojson }}''')
 
+# The engine the project depends on (training_engine/ in the template's repository).
+ENGINE = "training-engine"
+ENGINE_DIR = "training_engine"
+ENGINE_PLACEHOLDER = "training-engine @ ENGINE-PIN"
+
 NOT_CHOSEN = {
     "LICENSE": LICENSE == "Proprietary",
     "configs/hydra/launcher/slurm.yaml": INCLUDE_SLURM != "yes",
-    "tests/test_slurm.py": INCLUDE_SLURM != "yes",
-    "tests/slurm": INCLUDE_SLURM != "yes",
     "docs/slurm.md": INCLUDE_SLURM != "yes",
 }
 
@@ -48,13 +51,24 @@ ABBREVIATIONS = {
 }
 
 
-def launch_dir() -> Path:
-    """Where cookiecutter was run (this hook runs in the new project): a relative
-    template path is relative to it."""
+def local_template(path: str) -> Path | None:
+    """The template folder a relative or absolute local path names. cookiecutter runs
+    this hook from inside the template (its process's working directory is the
+    template's folder), so a relative path is tried against the shell's directory
+    (PWD, which a chdir does not change) and then taken as that folder itself."""
+    given = Path(path)
+    if given.is_absolute():
+        return given.resolve()
     try:
-        return Path(os.readlink(f"/proc/{os.getppid()}/cwd"))
+        inside = Path(os.readlink(f"/proc/{os.getppid()}/cwd"))
     except OSError:
-        return Path(os.environ.get("PWD", "."))
+        inside = None
+    for base in (os.environ.get("PWD"), inside):
+        if base and (Path(base) / given / "cookiecutter.json").is_file():
+            return (Path(base) / given).resolve()
+    if inside and (inside / "cookiecutter.json").is_file():
+        return inside.resolve()
+    return None
 
 
 def template_url(template: str) -> str:
@@ -66,7 +80,8 @@ def template_url(template: str) -> str:
             return long + template.removeprefix(short)
     if "://" in template or "@" in template.split("/")[0]:
         return template
-    return str((launch_dir() / template).resolve())
+    folder = local_template(template)
+    return str(folder) if folder else template
 
 
 def template_commit(repo_dir: str | None) -> str | None:
@@ -79,17 +94,49 @@ def template_commit(repo_dir: str | None) -> str | None:
     return proc.stdout.strip() or None
 
 
+def template_source() -> tuple[str, str | None, Path | None]:
+    """The template's URL as ``git clone`` takes it, the commit baked, and the local
+    folder cookiecutter read it from (its clone of a URL, or the folder itself)."""
+    url = template_url(CONTEXT["_template"])
+    repo_dir = local_template(CONTEXT["_repo_dir"]) if CONTEXT.get("_repo_dir") else None
+    return url, template_commit(str(repo_dir) if repo_dir else None), repo_dir
+
+
+def engine_pin(url: str, commit: str | None, repo_dir: Path | None) -> str:
+    """The project's exact dependency on the engine (docs/updates.md): from a git URL,
+    the same URL and commit ``.cruft.json`` records; from a local folder, that
+    folder's ``training_engine/``; else the released version, from a package index."""
+    if "://" in url and commit:
+        return f"{ENGINE} @ git+{url}@{commit}#subdirectory={ENGINE_DIR}"
+    if repo_dir and (repo_dir / ENGINE_DIR / "pyproject.toml").is_file():
+        if "://" not in url:
+            return f"{ENGINE} @ {(repo_dir / ENGINE_DIR).resolve().as_uri()}"
+    if repo_dir and (repo_dir / ENGINE_DIR / "pyproject.toml").is_file():
+        return f"{ENGINE}=={engine_version(repo_dir)}"
+    return ENGINE
+
+
+def engine_version(repo_dir: Path) -> str:
+    """The engine's version, from its one place (training_engine/version.py)."""
+    text = (repo_dir / ENGINE_DIR / "src" / ENGINE_DIR / "version.py").read_text()
+    return text.split('__version__ = "', 1)[1].split('"', 1)[0]
+
+
+def write_engine_pin(root: Path, pin: str) -> None:
+    """Put the pin where the project's pyproject.toml holds the placeholder line."""
+    pyproject = root / "pyproject.toml"
+    text = pyproject.read_text()
+    assert ENGINE_PLACEHOLDER in text, "pyproject.toml lost the engine's placeholder"
+    pyproject.write_text(text.replace(ENGINE_PLACEHOLDER, pin))
+
+
 def write_cruft_state(root: Path) -> None:
     """``.cruft.json`` as ``cruft create`` writes it, so that ``cruft check`` and
     ``cruft update`` work on a project baked with plain cookiecutter. Under cruft
     (its context has ``_commit``) cruft writes the file itself."""
     if "_commit" in CONTEXT:
         return
-    url = template_url(CONTEXT["_template"])
-    repo_dir = CONTEXT.get("_repo_dir")
-    if repo_dir and not Path(repo_dir).is_absolute():
-        repo_dir = str(launch_dir() / repo_dir)
-    commit = template_commit(repo_dir)
+    url, commit, _ = template_source()
     # Machine-local paths of this bake are not part of the project's state.
     local = ("_output_dir", "_repo_dir", "_checkout")
     context = {k: v for k, v in CONTEXT.items() if k not in local}
@@ -112,6 +159,7 @@ def main() -> None:
             shutil.rmtree(path)
         elif remove and path.exists():
             path.unlink()
+    write_engine_pin(root, engine_pin(*template_source()))
     write_cruft_state(root)
     steps = "".join(f"  {line}\n" for line in [f"cd {SLUG}", *NEXT_STEPS])
     print(f"\nCreated {root}\n\nNext steps:\n{steps}")

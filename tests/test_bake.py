@@ -123,13 +123,6 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "configs/eval.yaml",
         "configs/predict.yaml",
         "configs/generate.yaml",
-        "configs/debug/none.yaml",
-        "configs/debug/fast.yaml",
-        "configs/debug/overfit.yaml",
-        "configs/debug/anomaly.yaml",
-        "configs/debug/profile.yaml",
-        "configs/checkpoint/default.yaml",
-        "configs/checkpoint/none.yaml",
         "configs/data/digits.yaml",
         "configs/task/classification.yaml",
         "configs/task/language_model.yaml",
@@ -139,18 +132,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "configs/experiment/cnn_sgd.yaml",
         "configs/experiment/wide_mlp.yaml",
         "configs/hparams_search/optuna.yaml",
-        "configs/hydra/callbacks/default.yaml",
-        "configs/hydra/callbacks/none.yaml",
         "configs/hydra/launcher/k8s.yaml",
-        "configs/hydra/sweeper/optuna.yaml",
-        "configs/hydra/sweeper/sampler/brute_force.yaml",
-        "configs/hydra/sweeper/sampler/random.yaml",
-        "configs/hydra/sweeper/sampler/tpe.yaml",
-        "configs/hydra/sweeper/pruner/hyperband.yaml",
-        "configs/hydra/sweeper/pruner/median.yaml",
-        "configs/hydra/sweeper/pruner/none.yaml",
-        "configs/hydra/sweeper/pruner/successive_halving.yaml",
-        "configs/hydra/sweeper/pruner/threshold.yaml",
         "configs/data/tokens.yaml",
         "configs/data/token_file.yaml",
         "configs/data/hf.yaml",
@@ -161,23 +143,9 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "configs/model/mlp.yaml",
         "configs/optimizer/adamw.yaml",
         "configs/optimizer/sgd.yaml",
-        "configs/parallel/ddp.yaml",
-        "configs/parallel/deepspeed.yaml",
-        "configs/parallel/fsdp.yaml",
-        "configs/parallel/none.yaml",
-        "configs/preflight/default.yaml",
-        "configs/preflight/off.yaml",
         "configs/scheduler/constant.yaml",
         "configs/scheduler/plateau.yaml",
         "configs/scheduler/warmup_cosine.yaml",
-        "configs/seeding/default.yaml",
-        "configs/seeding/deterministic.yaml",
-        "configs/tracker/csv.yaml",
-        "configs/tracker/mlflow.yaml",
-        "configs/tracker/none.yaml",
-        "configs/tracker/tensorboard.yaml",
-        "configs/tracker/wandb.yaml",
-        "configs/trainer/default.yaml",
         f"{pkg}/__init__.py",
         f"{pkg}/contract.py",
         f"{pkg}/callbacks/__init__.py",
@@ -202,122 +170,17 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         f"{pkg}/data/assets/tokens_train.json",
         f"{pkg}/data/assets/tokens_val.bin",
         f"{pkg}/data/assets/tokens_val.json",
-        f"{pkg}/engine/__init__.py",
-        f"{pkg}/engine/accel.py",
-        f"{pkg}/engine/batch_means.py",
-        f"{pkg}/engine/generation.py",
-        f"{pkg}/engine/param_groups.py",
-        f"{pkg}/engine/tokenizer.py",
-        f"{pkg}/engine/claim.py",
-        f"{pkg}/engine/entry.py",
-        f"{pkg}/engine/fits.py",
-        f"{pkg}/engine/trust.py",
-        f"{pkg}/engine/upstream.py",
-        f"{pkg}/engine/agreement.py",
-        f"{pkg}/engine/files.py",
-        f"{pkg}/engine/watchdog.py",
-        f"{pkg}/engine/recovery.py",
-        f"{pkg}/engine/config.py",
-        f"{pkg}/engine/debug.py",
-        f"{pkg}/engine/early_stopping.py",
-        f"{pkg}/engine/ema.py",
-        f"{pkg}/engine/evaluation.py",
-        f"{pkg}/engine/finetune.py",
-        f"{pkg}/engine/fsdp.py",
-        f"{pkg}/engine/inference.py",
-        f"{pkg}/engine/launch.py",
-        f"{pkg}/engine/loaders.py",
-        f"{pkg}/engine/logs.py",
-        f"{pkg}/engine/metrics.py",
-        f"{pkg}/engine/nonfinite.py",
-        f"{pkg}/engine/preemption.py",
-        f"{pkg}/engine/progress.py",
-        f"{pkg}/engine/pruning.py",
-        f"{pkg}/engine/run_dir.py",
-        f"{pkg}/engine/samplers.py",
-        f"{pkg}/engine/schedules.py",
-        f"{pkg}/engine/seeding.py",
-        f"{pkg}/engine/state.py",
-        f"{pkg}/engine/step.py",
-        f"{pkg}/engine/task.py",
-        f"{pkg}/engine/callbacks.py",
-        f"{pkg}/engine/optimizers.py",
-        f"{pkg}/engine/frozen.py",
-        f"{pkg}/engine/disk.py",
-        f"{pkg}/engine/sweep.py",
-        f"{pkg}/engine/throughput.py",
-        f"{pkg}/engine/trackers.py",
-        f"{pkg}/engine/tracking.py",
-        f"{pkg}/engine/media.py",
-        f"{pkg}/engine/checkpoint/__init__.py",
-        f"{pkg}/engine/checkpoint/__main__.py",
-        f"{pkg}/engine/checkpoint/checksums.py",
-        f"{pkg}/engine/checkpoint/elastic.py",
-        f"{pkg}/engine/checkpoint/export_hf.py",
-        f"{pkg}/engine/checkpoint/folder.py",
-        f"{pkg}/engine/checkpoint/format.py",
-        f"{pkg}/engine/checkpoint/full_state.py",
-        f"{pkg}/engine/checkpoint/manager.py",
-        f"{pkg}/engine/checkpoint/policy.py",
-        f"{pkg}/engine/checkpoint/resume.py",
-        f"{pkg}/engine/checkpoint/save.py",
-        f"{pkg}/engine/checkpoint/zero.py",
-        f"{pkg}/engine/checkpoint/sharded.py",
-        f"{pkg}/engine/checkpoint/ties.py",
-        f"{pkg}/engine/preflight/__init__.py",
-        f"{pkg}/engine/preflight/checks.py",
-        f"{pkg}/engine/preflight/probe.py",
-        f"{pkg}/engine/preflight/report.py",
-        f"src/hydra_plugins/{ctx['package_name']}_optuna/__init__.py",
-        f"src/hydra_plugins/{ctx['package_name']}_optuna/sweeper.py",
-        f"src/hydra_plugins/{ctx['package_name']}_k8s/__init__.py",
-        f"src/hydra_plugins/{ctx['package_name']}_k8s/launcher.py",
-        f"src/hydra_plugins/{ctx['package_name']}_k8s/manifest.py",
         "tests/__init__.py",
         "tests/conftest.py",
-        "tests/faults.py",
-        "tests/hf_gpt2.py",
-        "tests/train_with_faults.py",
-        "tests/test_checkpoint.py",
-        "tests/test_checkpoint_logic.py",
         "tests/test_configs.py",
-        "tests/test_interfaces.py",
-        "tests/test_extension.py",
-        "tests/user_code.py",
-        "tests/test_data.py",
-        "tests/test_preflight.py",
-        "tests/test_tracking.py",
-        "tests/test_train.py",
-        "tests/test_parallel.py",
-        "tests/test_sharded.py",
-        "tests/test_fsdp.py",
-        "tests/test_run_dir.py",
-        "tests/test_sweeps.py",
-        "tests/test_perf.py",
-        "tests/test_lifecycle.py",
-        "tests/test_trust.py",
-        "tests/test_upstream.py",
-        "tests/test_text_hf.py",
-        "tests/test_k8s.py",
-        "tests/test_pod_contract.py",
-        "tests/test_recovery.py",
-        "tests/test_deepspeed.py",
-        "tests/data/k8s/LICENSE",
-        "tests/data/k8s/README.md",
-        "tests/data/k8s/trainer.kubeflow.org_trainjobs.yaml.gz",
-        "tests/data/k8s/trainer.kubeflow.org_trainingruntimes.yaml.gz",
+        "tests/test_recipe.py",
     }
     if ctx["license"] != "Proprietary":
         files.add("LICENSE")
     if ctx["include_slurm"] == "yes":
         files |= {
             "configs/hydra/launcher/slurm.yaml",
-            "tests/test_slurm.py",
             "docs/slurm.md",
-            "tests/slurm/README.md",
-            "tests/slurm/check_cluster.sh",
-            "tests/slurm/start_cluster.sh",
-            "tests/slurm/stop_cluster.sh",
         }
     return files
 
@@ -543,34 +406,16 @@ def run_pytest(
 
 @pytest.mark.parametrize("name", SHARED_ENV_BAKES)
 def test_baked_project_tests_pass_in_shared_env(baked, name):
-    """The other bakes share this environment. They differ from the default bake in
-    names, defaults and optional files, not in code: what a bake choice changes is
-    covered by the config tests (every option composes and builds), which run
-    here. Everything else (training, checkpoints, parallel, SLURM, sweeps,
-    trackers, preflight, performance, the template's bench: the same code paths)
-    runs in the default bake only, which keeps CI in budget."""
+    """The other bakes share this environment and the engine (installed editable from
+    training_engine/). They differ from the default bake in names, defaults and
+    optional files, not in engine code: each runs its own tests (every option
+    composes and builds; the bake's own defaults train; kill -9 and resume are bit
+    for bit). The engine's tests run once, on the default bake, which keeps CI in
+    budget."""
     # No tracker packages here (the default bake's venv has them): their tests skip.
     env = {**os.environ, "PYTHONPATH": str(baked[name] / "src"), "TESTS_SKIP_MISSING_EXTRAS": "1"}
-    # And the smoke test of the bake's own default (2 CPU processes for one_node/multi_node).
-    smoke = "tests/test_train.py::test_smoke_run_writes_the_run_directory"
-    # eval.py with the bake's own parallel default: one process, the training's metrics
-    evaluated = (
-        "tests/test_lifecycle.py::test_eval_runs_one_process_and_equals_the_training_bit_for_bit"
-    )
-    # -n auto: one worker per core, as in the default bake's run (the template's tests
-    # themselves run one at a time)
-    selected = ["-n", "auto", "-m", "not slow and not multiprocess", "tests/test_configs.py"]
-    selected += [smoke, evaluated]
-    if default_parallel(context_of(name)) == "fsdp":
-        # The multi_node scope's defaults on its own first example: FSDP on the GPT.
-        selected.append("tests/test_fsdp.py::test_multi_node_defaults_train_the_gpt_example")
-    if default_parallel(context_of(name)) == "none":
-        # And the same-seed tests (0 and 2 loader workers): reproducibility in the
-        # bakes whose default is the one-process run the default bake also tests (the
-        # CPU thread count is pinned at start-up: seeding.pin_cpu_threads). Under
-        # DDP/FSDP the same code runs: test_parallel's bit-exact resumes cover it.
-        selected.append("tests/test_train.py::test_same_seed_gives_identical_weights")
-    run_pytest(sys.executable, baked[name], *selected, env=env)
+    # -n auto: one worker per core, as the project README says
+    run_pytest(sys.executable, baked[name], "-n", "auto", "tests", env=env)
 
 
 @pytest.mark.slow
@@ -608,8 +453,10 @@ def test_default_bake_installs_and_passes_in_a_fresh_venv(baked, tmp_path):
     selection.append(f"--junitxml={junit}")
     # And the template's bench (bench/, not part of the project) on this bake, in the
     # same run and pool of workers (no time of its own): its quick mode and its turns.
-    # -c: the project's pytest config (markers, options) for both folders.
-    selection += ["-c", "pyproject.toml", "tests", str(REPO / "bench")]
+    # The project's own tests, the engine's (run once, here) and the bench; -c: the
+    # project's pytest config (markers, options) for the three folders.
+    engine_tests = REPO / "training_engine" / "engine_tests"
+    selection += ["-c", "pyproject.toml", "tests", str(engine_tests), str(REPO / "bench")]
     log = REPO / "build" / "default-bake-pytest.log"
     run_pytest(py, project, *selection, env={**clean_env, "BENCH_PROJECT": str(project)}, log=log)
     # The accuracy run and the bench ran and passed: not skipped, not deselected (read
@@ -662,16 +509,11 @@ def test_own_model_and_data_as_the_readme_says_pass_the_projects_tests(baked, tm
         "-m",
         "not slow and not multiprocess",
         "tests/test_configs.py",
-        "tests/test_interfaces.py",
-        "tests/test_extension.py",
-        "tests/user_code.py",
-        "tests/test_sweeps.py::test_experiment_runs_with_its_values[blobs]",
         "-v",
         env=env,
     )
     for option in ("model=tiny", "data=blobs", "experiment=blobs"):
         assert f"test_option_composes_and_instantiates[{option}] PASSED" in out
-    assert "test_experiment_runs_with_its_values[blobs] PASSED" in out
     train = subprocess.run(
         [
             sys.executable,

@@ -1,11 +1,14 @@
 """Bad names are refused with one clear line, leaving nothing on disk, and
 values are never executed as code."""
 
+import json
+import os
+import subprocess
 import tomllib
 
 import pytest
 
-from .conftest import bake
+from .conftest import BIN, REPO, bake
 
 
 @pytest.mark.parametrize(
@@ -55,3 +58,49 @@ def test_values_are_data_not_code(template_url, cookiecutter_config, tmp_path):
     meta = tomllib.loads((project / "pyproject.toml").read_text())["project"]
     assert meta["description"] == description
     assert meta["authors"][0]["name"] == payload
+
+
+def baked_origin(project) -> tuple[dict, str]:
+    """``.cruft.json`` and the engine pin of the project's pyproject.toml."""
+    deps = tomllib.loads((project / "pyproject.toml").read_text())["project"]["dependencies"]
+    (pin,) = [d for d in deps if d.startswith("training-engine")]
+    return json.loads((project / ".cruft.json").read_text()), pin
+
+
+@pytest.mark.parametrize("form", ["relative path", "absolute path", "git URL"])
+def test_the_origin_and_the_engine_pin_name_the_template_whatever_its_form(
+    template_url, cookiecutter_config, tmp_path, form
+):
+    """cruft can update the project (``.cruft.json``: the template's absolute path or
+    URL, the commit baked) and pip can install it (the engine pinned at the same
+    place), from a relative path too: cookiecutter runs the hook from inside the
+    template, where a relative path means something else."""
+    head = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    launch = tmp_path / "launch"
+    launch.mkdir()
+    given = {
+        "relative path": os.path.relpath(REPO, launch),
+        "absolute path": str(REPO),
+        "git URL": template_url,
+    }[form]
+    cmd = [str(BIN / "cookiecutter"), "--no-input", "--config-file", str(cookiecutter_config)]
+    proc = subprocess.run(
+        [*cmd, "-o", "out", given],
+        cwd=launch,
+        env={**os.environ, "PWD": str(launch)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (project,) = (launch / "out").iterdir()
+    state, pin = baked_origin(project)
+    assert state["commit"] == head
+    if form == "git URL":
+        assert state["template"] == template_url.removeprefix("git+")
+        assert pin == f"training-engine @ {template_url}@{head}#subdirectory=training_engine"
+    else:
+        assert state["template"] == str(REPO)
+        assert pin == f"training-engine @ {(REPO / 'training_engine').as_uri()}"

@@ -21,7 +21,9 @@ GIT_ENV = {
     "GIT_COMMITTER_EMAIL": "test@example.com",
     "GIT_TERMINAL_PROMPT": "0",
 }
-TEMPLATE_FILE = "{{cookiecutter.__project_dir}}/configs/checkpoint/default.yaml"
+# An engine file (the engine's own config group) and a recipe file (the project's).
+ENGINE_FILE = "training_engine/src/training_engine/configs/checkpoint/default.yaml"
+RECIPE_FILE = "{{cookiecutter.__project_dir}}/configs/optimizer/adamw.yaml"
 
 
 def git(cwd: Path, *args: str) -> str:
@@ -65,26 +67,53 @@ def test_cruft_update_brings_template_changes_and_keeps_the_projects(tmp_path, c
     readme = project / "README.md"
     readme.write_text(readme.read_text() + "\n## Our notes\n\nKept across template updates.\n")
     git(project, "commit", "-q", "-am", "our notes")
-    # ... and a later template commit that changes another file.
-    path = template / TEMPLATE_FILE
-    text = path.read_text()
-    assert "keep_last: 3 " in text
-    path.write_text(text.replace("keep_last: 3 ", "keep_last: 5 "))
+    # ... and a later template commit that changes the engine only: the update changes
+    # the engine's pin (its commit), nothing else.
+    pinned_at = f"@{baked_at}#subdirectory=training_engine"
+    assert pinned_at in (project / "pyproject.toml").read_text()
+    edit(template / ENGINE_FILE, "keep_last: 3 ", "keep_last: 5 ")
     git(template, "commit", "-q", "-am", "keep 5 checkpoints")
-    updated_to = git(template, "rev-parse", "HEAD").strip()
+    updated_to = update(project)
+    assert changes(project) == [".cruft.json", "pyproject.toml"]  # no conflicts, no .rej
+    diff = [
+        line
+        for line in git(project, "diff", "-U0", "pyproject.toml").splitlines()
+        if line[:1] in "+-" and not line.startswith(("+++", "---"))
+    ]
+    assert diff == [
+        f'-    "training-engine @ git+file://{template}{pinned_at}",',
+        f'+    "training-engine @ git+file://{template}@{updated_to}#subdirectory=training_engine",',
+    ]
+    git(project, "commit", "-q", "-am", "engine update")
 
+    # A recipe change arrives as a change of that file (and of the pin).
+    edit(template / RECIPE_FILE, "lr: 3.0e-3", "lr: 2.0e-3")
+    git(template, "commit", "-q", "-am", "a lower learning rate")
+    update(project)
+    assert "lr: 2.0e-3" in (project / "configs/optimizer/adamw.yaml").read_text()
+    assert "## Our notes" in readme.read_text()
+    assert changes(project) == [".cruft.json", "configs/optimizer/adamw.yaml", "pyproject.toml"]
+
+
+def edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, (path, old)
+    path.write_text(text.replace(old, new))
+
+
+def changes(project: Path) -> list[str]:
+    return sorted(line[3:] for line in git(project, "status", "--porcelain").splitlines())
+
+
+def update(project: Path) -> str:
+    """``cruft update``; the commit it updated to, checked: up to date afterwards."""
     check = cruft(project, "check")
     assert check.returncode != 0  # out of date now
-    update = cruft(project, "update", "--skip-apply-ask", "--allow-untracked-files")
-    transcript = update.stdout + update.stderr
+    proc = cruft(project, "update", "--skip-apply-ask", "--allow-untracked-files")
+    transcript = proc.stdout + proc.stderr
     (REPO / "build").mkdir(exist_ok=True)
     (REPO / "build" / "cruft-update.log").write_text(transcript)
-    assert update.returncode == 0, transcript
-
-    assert "keep_last: 5 " in (project / "configs/checkpoint/default.yaml").read_text()
-    assert "## Our notes" in readme.read_text()
-    assert json.loads((project / ".cruft.json").read_text())["commit"] == updated_to
-    changed = sorted(line[3:] for line in git(project, "status", "--porcelain").splitlines())
-    assert changed == [".cruft.json", "configs/checkpoint/default.yaml"]  # no conflicts, no .rej
-    check = cruft(project, "check")
-    assert check.returncode == 0, check.stdout + check.stderr
+    assert proc.returncode == 0, transcript
+    updated_to = json.loads((project / ".cruft.json").read_text())["commit"]
+    assert cruft(project, "check").returncode == 0
+    return updated_to

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
-
-from {{ cookiecutter.package_name }}.engine import generation
-from {{ cookiecutter.package_name }}.engine.config import register_resolvers
-from {{ cookiecutter.package_name }}.engine.entry import run_entry_point
+from training_engine import generation
+from training_engine.config import register_resolvers
+from training_engine.entry import run_entry_point
 
 PROJECT_ROOT = Path(__file__).resolve().parent
 CONFIG_DIR = PROJECT_ROOT / "configs"

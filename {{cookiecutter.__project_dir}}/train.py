@@ -21,57 +21,56 @@ from pathlib import Path
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
-
-from {{ cookiecutter.package_name }}.engine.accel import build_accelerator, weights_fingerprint
-from {{ cookiecutter.package_name }}.engine.agreement import StepAgreement
-from {{ cookiecutter.package_name }}.engine.callbacks import (
+from training_engine.accel import build_accelerator, weights_fingerprint
+from training_engine.agreement import StepAgreement
+from training_engine.callbacks import (
     Callbacks,
     RunContext,
     build_callbacks,
     stateful,
 )
-from {{ cookiecutter.package_name }}.engine.checkpoint import (
+from training_engine.checkpoint import (
     CheckpointError,
     CheckpointManager,
     plain_model,
     plan_resume,
     save_final_weights,
 )
-from {{ cookiecutter.package_name }}.engine.claim import Decision, agree, claim, commit_attempt
-from {{ cookiecutter.package_name }}.engine.config import (
+from training_engine.claim import Decision, agree, claim, commit_attempt
+from training_engine.config import (
     ConfigError,
     check_config,
     instantiate,
     register_resolvers,
     resolve_config,
 )
-from {{ cookiecutter.package_name }}.engine.debug import Debug
-from {{ cookiecutter.package_name }}.engine.early_stopping import EarlyStopping
-from {{ cookiecutter.package_name }}.engine.ema import WeightAverage, metric_names
-from {{ cookiecutter.package_name }}.engine.entry import run_entry_point
-from {{ cookiecutter.package_name }}.engine.finetune import init_from
-from {{ cookiecutter.package_name }}.engine.fits import check_model_fits_data
-from {{ cookiecutter.package_name }}.engine.frozen import build_frozen_models
-from {{ cookiecutter.package_name }}.engine.fsdp import shard_model
-from {{ cookiecutter.package_name }}.engine.launch import (
+from training_engine.debug import Debug
+from training_engine.early_stopping import EarlyStopping
+from training_engine.ema import WeightAverage, metric_names
+from training_engine.entry import run_entry_point
+from training_engine.finetune import init_from
+from training_engine.fits import check_model_fits_data
+from training_engine.frozen import build_frozen_models
+from training_engine.fsdp import shard_model
+from training_engine.launch import (
     LaunchError,
     adopt_pet_env,
     run,
     runs_alone,
     spans_nodes,
 )
-from {{ cookiecutter.package_name }}.engine.loaders import batches_per_epoch, continue_epoch, run_length
-from {{ cookiecutter.package_name }}.engine.logs import setup_rank_logging
-from {{ cookiecutter.package_name }}.engine.media import Media
-from {{ cookiecutter.package_name }}.engine.metrics import MetricBook, WindowMeans
-from {{ cookiecutter.package_name }}.engine.nonfinite import LossGuard, NonFiniteLoss
-from {{ cookiecutter.package_name }}.engine.optimizers import build_optimizers
-from {{ cookiecutter.package_name }}.engine.preemption import StopSignals, TrainingInterrupted
-from {{ cookiecutter.package_name }}.engine.preflight import PreflightFailed, run_preflight
-from {{ cookiecutter.package_name }}.engine.progress import Progress, RunClock
-from {{ cookiecutter.package_name }}.engine.pruning import TrialPruned, TrialReporter
-from {{ cookiecutter.package_name }}.engine.recovery import history, note_recovery
-from {{ cookiecutter.package_name }}.engine.run_dir import (
+from training_engine.loaders import batches_per_epoch, continue_epoch, run_length
+from training_engine.logs import setup_rank_logging
+from training_engine.media import Media
+from training_engine.metrics import MetricBook, WindowMeans
+from training_engine.nonfinite import LossGuard, NonFiniteLoss
+from training_engine.optimizers import build_optimizers
+from training_engine.preemption import StopSignals, TrainingInterrupted
+from training_engine.preflight import PreflightFailed, run_preflight
+from training_engine.progress import Progress, RunClock
+from training_engine.pruning import TrialPruned, TrialReporter
+from training_engine.recovery import history, note_recovery
+from training_engine.run_dir import (
     check_run_name,
     check_shared_storage,
     hydra_run_dir,
@@ -81,19 +80,19 @@ from {{ cookiecutter.package_name }}.engine.run_dir import (
     uses_default_run_name,
     write_summary,
 )
-from {{ cookiecutter.package_name }}.engine.schedules import ScheduleSteps
-from {{ cookiecutter.package_name }}.engine.seeding import same_on_every_rank, seed_everything
-from {{ cookiecutter.package_name }}.engine.state import TrainState
-from {{ cookiecutter.package_name }}.engine.step import Step
-from {{ cookiecutter.package_name }}.engine.task import build_task
-from {{ cookiecutter.package_name }}.engine.throughput import Throughput
-from {{ cookiecutter.package_name }}.engine.tracking import (
+from training_engine.schedules import ScheduleSteps
+from training_engine.seeding import same_on_every_rank, seed_everything
+from training_engine.state import TrainState
+from training_engine.step import Step
+from training_engine.task import build_task
+from training_engine.throughput import Throughput
+from training_engine.tracking import (
     check_reachable,
     log_final_model,
     start_trackers,
     watch_model,
 )
-from {{ cookiecutter.package_name }}.engine.watchdog import Watchdog
+from training_engine.watchdog import Watchdog
 
 log = logging.getLogger("train")
 PROJECT_ROOT = Path(__file__).resolve().parent  # runs_root's default: <project root>/runs
@@ -329,7 +328,7 @@ def train(cfg: DictConfig, run_dir: Path, decision: Decision | None = None) -> f
         )
         for batch, data in enumerate(batches, start=done + 1):
             # the task's step: forward, loss, backward; at the accumulation's end clipping
-            # and the update (the default: engine/task.py, TaskDefaults.training_step)
+            # and the update (the default: training_engine/task.py, TaskDefaults.training_step)
             loss, logs = task.training_step(step=step_verbs, batch=data)
             window.add(loss, logs)
             if not step_verbs.update_done():

@@ -41,7 +41,7 @@ check() {  # check NAME WORLD_SIZE EXPECTED_TYPE CONDITION -- command...
   local start=$SECONDS
   local figures
   if "$@" trainer.max_epochs=8 tracker=csv "hydra.run.dir=$dir" >"$OUT-$name.log" 2>&1 &&
-     python -m {{ cookiecutter.package_name }}.engine.checkpoint verify "$dir" >>"$OUT-$name.log" 2>&1 &&
+     python -m training_engine.checkpoint verify "$dir" >>"$OUT-$name.log" 2>&1 &&
      figures=$(python - "$dir" "$world" "$kind" "$condition" <<'PY'
 import json, sys
 from pathlib import Path

@@ -8,27 +8,24 @@ import pytest
 import torch
 from hydra.utils import get_object, instantiate
 from omegaconf import OmegaConf
+from training_engine.config import check_config, resolve_config
+from training_engine.schedules import steps_on_metric
+from training_engine.task import build_task
+from training_engine.testing import config_options
+from training_engine.tracking import build_trackers
 
-from {{ cookiecutter.package_name }}.engine.accel import resolve_precision
-from {{ cookiecutter.package_name }}.engine.config import check_config, flatten_config, resolve_config
-from {{ cookiecutter.package_name }}.engine.schedules import steps_on_metric
-from {{ cookiecutter.package_name }}.engine.task import build_task
-from {{ cookiecutter.package_name }}.engine.tracking import build_trackers
+from .conftest import PROJECT_ROOT, require_trackers
 
-from .conftest import CONFIG_DIR, require_trackers
-
-OPTIONS = sorted(
-    (str(path.parent.relative_to(CONFIG_DIR)), path.stem)
-    for path in CONFIG_DIR.rglob("*.yaml")
-    if path.parent != CONFIG_DIR
-)
+# The project's groups and the engine's (configs/train.yaml's search path).
+FILES = config_options(PROJECT_ROOT)
+OPTIONS = sorted(FILES)
 
 
 def needs(group: str, option: str) -> list[str]:
     """The overrides an option is composed with here: its ``# needs: OVERRIDE ...``
     comment lines (text in parentheses is the reason). An option of your own that
     works only with another choice says so in its YAML; this file stays as it is."""
-    text = (CONFIG_DIR / group / f"{option}.yaml").read_text()
+    text = FILES[(group, option)].read_text()
     found = re.findall(r"^# needs:([^(\n]*)", text, flags=re.MULTILINE)
     return [override for line in found for override in line.split()]
 
@@ -109,23 +106,3 @@ def test_option_composes_and_instantiates(group, option, compose_cfg, tmp_path):
         require_trackers(option)  # last: skips only where the extras are missing on purpose
         trackers = build_trackers(resolved, tmp_path)
         assert [t.name for t in trackers] == list(resolved.tracker)
-
-
-def test_flatten_config_gives_scalar_leaves(compose_cfg):
-    flat = flatten_config(OmegaConf.to_container(resolve_config(compose_cfg())))
-    assert flat["optimizer/lr"] == 3e-3
-    assert flat["optimizer/betas"] == "[0.9, 0.999]"
-    assert flat["trainer/max_steps"] == "None"
-    assert all(isinstance(v, str | int | float | bool) for v in flat.values())
-
-
-def test_mixed_precision_auto_is_fp32_on_a_cpu_and_explicit_values_stay(compose_cfg):
-    assert compose_cfg().trainer.mixed_precision == "auto"  # the default
-    assert resolve_precision("auto", on_cpu=True) == ("no", "no GPU: fp32")
-    assert resolve_precision(False, on_cpu=True) == ("no", "")  # YAML's unquoted `no`
-    for explicit in ("no", "bf16", "fp16"):
-        assert resolve_precision(explicit, on_cpu=True) == (explicit, "")
-        assert resolve_precision(explicit, on_cpu=False) == (explicit, "")
-    if torch.cuda.is_available():
-        chosen, why = resolve_precision("auto", on_cpu=False)
-        assert chosen == ("bf16" if torch.cuda.is_bf16_supported(False) else "no"), why

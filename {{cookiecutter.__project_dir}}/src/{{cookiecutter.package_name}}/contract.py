@@ -10,15 +10,15 @@ meanwhile, so one process of a launch builds and the others read (docs/own-model
 docs/data.md).
 """
 
-from .engine.batch_means import average_over_batches
-from .engine.callbacks import Callback
-from .engine.config import ConfigError, require
-from .engine.files import locked
-from .engine.loaders import DataLoaders, make_loaders
-from .engine.param_groups import decay_groups
-from .engine.step import Step
-from .engine.task import Task, TaskDefaults
-from .engine.tokenizer import load_tokenizer
+from training_engine.batch_means import average_over_batches
+from training_engine.callbacks import Callback
+from training_engine.config import ConfigError, require
+from training_engine.files import locked
+from training_engine.loaders import DataLoaders, make_loaders
+from training_engine.param_groups import decay_groups
+from training_engine.step import Step
+from training_engine.task import Task, TaskDefaults
+from training_engine.tokenizer import load_tokenizer
 
 # Data arguments that never change which samples a step sees: a resumed run may change
 # them (a data function lists them as its ``resume_may_change``).

@@ -2,7 +2,7 @@
 ``(batch, classes)`` as a tensor or as an object with ``.logits`` (a Hugging Face
 output). The loss is cross-entropy, logged beside it is the accuracy; ``predict``
 gives the most likely class. The training step, the evaluation and the parameter
-groups are the defaults (engine/task.py's ``TaskDefaults``: override any of them
+groups are the defaults (training_engine/task.py's ``TaskDefaults``: override any of them
 here). The digits' MLP and CNN train with it (``task=classification``).
 """
 

@@ -1,0 +1,4 @@
+"""The engine's config groups (parallel, tracker, checkpoint, seeding, trainer,
+preflight, debug, hydra/callbacks, hydra/sweeper), reached by a project through
+Hydra's search path (``pkg://training_engine.configs``, its configs/train.yaml). A
+project overrides one by a file of the same name in its own configs/."""

@@ -1,0 +1,110 @@
+"""What a project's own tests use of the engine: run the project's real ``train.py``
+in a subprocess, read what it wrote, compose its real configs. The engine's tests use
+the same helpers on a bake of the template's defaults."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from importlib.util import find_spec
+from pathlib import Path
+
+from .tracking import REQUIRES
+
+
+class TrainRun:
+    """One finished ``train.py`` process: its output and its run dir."""
+
+    def __init__(self, proc: subprocess.CompletedProcess, run_dir: Path) -> None:
+        self.proc = proc
+        self.run_dir = run_dir
+        self.output = proc.stdout + proc.stderr
+
+    @property
+    def summary(self) -> dict:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+
+def run_script(
+    project: Path,
+    run_dir: Path,
+    *overrides: str,
+    script: str | Sequence[str] = "train.py",
+    env: dict | None = None,
+    timeout: int = 300,
+) -> TrainRun:
+    """``python SCRIPT hydra.run.dir=RUN_DIR OVERRIDES`` in the project's folder."""
+    prefix = [script] if isinstance(script, str) else list(script)
+    cmd = [sys.executable, *prefix, f"hydra.run.dir={run_dir}", *overrides]
+    proc = subprocess.run(
+        cmd,
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+    return TrainRun(proc, run_dir)
+
+
+def failure(run: TrainRun) -> str | None:
+    """Why a run that had to succeed did not, or None."""
+    if run.proc.returncode != 0:
+        return f"{' '.join(run.proc.args)} exited {run.proc.returncode}:\n{run.output[-4000:]}"
+    if "terminate called" in run.output or "Aborted" in run.output:
+        return f"a process aborted on its way out:\n{run.output[-4000:]}"
+    return None
+
+
+def fingerprints(run_dir: Path) -> dict[str, str]:
+    """The final weights fingerprint each rank logged, by log file."""
+    found = {}
+    for log in sorted(run_dir.glob("train*.log")):
+        match = re.search(r"final weights fingerprint (\w+)", log.read_text())
+        if match:
+            found[log.name] = match.group(1)
+    return found
+
+
+def missing_tracker_packages(*names: str) -> list[str]:
+    """The packages of these trackers that are not installed here."""
+    return [m for name in names for m in REQUIRES.get(name, ()) if find_spec(m) is None]
+
+
+@contextmanager
+def composed_configs(project: Path) -> Iterator[None]:
+    """Hydra initialised on the project's ``configs/``, its resolvers registered, as
+    ``python train.py`` has them before ``@hydra.main``: ``hydra.compose(...)`` inside."""
+    from hydra import initialize_config_dir
+
+    from .config import register_resolvers
+
+    register_resolvers(project)
+    with initialize_config_dir(config_dir=str(project / "configs"), version_base="1.3"):
+        yield
+
+
+def pythonpath(*paths: Path | str) -> str:
+    """PYTHONPATH with these first, then what it held."""
+    given = [str(p) for p in paths] + [os.environ.get("PYTHONPATH", "")]
+    return os.pathsep.join(p for p in given if p)
+
+
+def config_options(project: Path) -> dict[tuple[str, str], Path]:
+    """Every option of every config group a project composes, ``(group, option) ->
+    file``: its own configs/ and the engine's groups (the project's file wins, as on
+    Hydra's search path)."""
+    from .entry import ENGINE_CONFIGS
+
+    found: dict[tuple[str, str], Path] = {}
+    for root in (ENGINE_CONFIGS, project / "configs"):  # the project's last: it wins
+        for path in sorted(root.rglob("*.yaml")):
+            if path.parent != root:
+                found[(path.parent.relative_to(root).as_posix(), path.stem)] = path
+    return found
