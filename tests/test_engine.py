@@ -163,3 +163,12 @@ def test_an_ejected_project_owns_its_engine_and_passes_its_own_tests(tmp_path):
         timeout=1200,
     )
     assert tests.returncode == 0 and " passed" in tests.stdout, tests.stdout[-4000:]
+
+
+def test_the_engine_lints():
+    """ruff, with the engine's own settings (training_engine/pyproject.toml)."""
+    for args in (["check", "."], ["format", "--check", "."]):
+        proc = subprocess.run(
+            [str(BIN / "ruff"), *args], cwd=ENGINE, capture_output=True, text=True
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr

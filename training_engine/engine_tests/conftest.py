@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 from hydra import compose
+
 from training_engine.testing import (
     TrainRun,
-    config_options,
     composed_configs,
+    config_options,
     failure,
     fingerprints,  # noqa: F401 (the tests import it from here)
     missing_tracker_packages,

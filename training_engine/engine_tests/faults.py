@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from digit_trainer.models.digits import MLP
 from digit_trainer.models.gpt import GPT
 

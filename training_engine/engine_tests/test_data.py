@@ -15,6 +15,10 @@ import pytest
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.data_loader import prepare_data_loader
+from digit_trainer.data.digits import load_digits
+from digit_trainer.data.hf import hf
+from digit_trainer.data.token_file import TokenStream, token_file, write_tokens
+from digit_trainer.data.tokens import copy_task_sequences, markov_language
 from torch.utils.data import (
     DistributedSampler,
     RandomSampler,
@@ -24,10 +28,6 @@ from torch.utils.data import (
     default_collate,
 )
 
-from digit_trainer.data.digits import load_digits
-from digit_trainer.data.hf import hf
-from digit_trainer.data.token_file import TokenStream, token_file, write_tokens
-from digit_trainer.data.tokens import copy_task_sequences, markov_language
 from training_engine.batch_means import _head, _length, average_over_batches
 from training_engine.checkpoint.elastic import per_process_batch
 from training_engine.config import ConfigError

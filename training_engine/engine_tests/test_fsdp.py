@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from digit_trainer.models.digits import MLP
+from digit_trainer.models.gpt import GPT
 from safetensors import safe_open
 from torch import nn
 
@@ -23,8 +25,6 @@ from training_engine.checkpoint import folder, save, sharded, ties
 from training_engine.checkpoint.__main__ import main as checkpoint_cli
 from training_engine.checkpoint.format import CheckpointError
 from training_engine.config import ConfigError, check_config, resolve_config
-from digit_trainer.models.digits import MLP
-from digit_trainer.models.gpt import GPT
 
 from .conftest import ENV, ONE_PROCESS, PROJECT_ROOT, TRAIN_WITH_FAULTS, fingerprints, run_train
 from .hf_gpt2 import gpt2

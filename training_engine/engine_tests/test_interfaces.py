@@ -10,11 +10,10 @@ import pytest
 import torch
 
 import training_engine
-
 from training_engine.config import ConfigError
 from training_engine.task import build_task, check_task
 
-from .conftest import FAST, PROJECT_ROOT
+from .conftest import FAST
 
 PACKAGE = "digit_trainer"
 ENGINE = Path(training_engine.__file__).resolve().parent
@@ -40,11 +39,7 @@ def imported_modules(path: Path) -> set[str]:
 def test_the_engine_imports_none_of_the_owners_files():
     offenders = {}
     for path in sorted(ENGINE.rglob("*.py")):
-        owner = {
-            m
-            for m in imported_modules(path)
-            if m == PACKAGE or m.startswith(f"{PACKAGE}.")
-        }
+        owner = {m for m in imported_modules(path) if m == PACKAGE or m.startswith(f"{PACKAGE}.")}
         if owner:
             offenders[str(path.relative_to(ENGINE))] = sorted(owner)
     assert not offenders, offenders

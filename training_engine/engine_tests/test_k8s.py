@@ -15,14 +15,14 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
+from omegaconf import OmegaConf
+
 from hydra_plugins.training_engine_k8s import manifest
 from hydra_plugins.training_engine_k8s.launcher import (
     job_name,
     nodes_and_procs,
     pod_overrides,
 )
-from omegaconf import OmegaConf
-
 from training_engine.config import ConfigError
 
 from .conftest import CONFIG_DIR, ENV, PROJECT_ROOT

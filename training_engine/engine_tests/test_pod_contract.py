@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra_plugins.training_engine_k8s import manifest
 from omegaconf import OmegaConf
 
+from hydra_plugins.training_engine_k8s import manifest
 from training_engine.config import ConfigError
 from training_engine.launch import adopt_pet_env
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from digit_trainer.models.digits import MLP, SmallCNN
 from safetensors.torch import load_file
 from torch.utils.flop_counter import FlopCounterMode
 
 from training_engine.throughput import Throughput, peak_flops, peak_for_name
-from digit_trainer.models.digits import MLP, SmallCNN
 
 from .conftest import FAST, ONE_PROCESS, PROJECT_ROOT
 

@@ -165,7 +165,9 @@ def test_restarts_exhausted_exit_non_zero_with_the_history(tmp_path):
     """Rank 1 is killed in its 5th step on every attempt: one restart, then the run
     fails, naming rank 1 and keeping both attempts in summary.json."""
     run_dir = tmp_path / "run"
-    proc = start(run_dir, "model._target_=engine_tests.faults.KilledOnRank1", "parallel.max_restarts=1")
+    proc = start(
+        run_dir, "model._target_=engine_tests.faults.KilledOnRank1", "parallel.max_restarts=1"
+    )
     code = proc.wait(timeout=300)
     out = (tmp_path / "run.out").read_text(errors="replace")
     assert code == 137, out[-5000:]  # 128 + SIGKILL

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from digit_trainer.data.digits import digits
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from digit_trainer.data.digits import digits
 from training_engine.checkpoint import elastic, folder
 from training_engine.checkpoint import format as fmt
 from training_engine.checkpoint.__main__ import main as checkpoint_cli

@@ -56,7 +56,9 @@ def cluster_problem() -> str | None:
 def slurm_cluster():
     problem = cluster_problem()
     if problem and os.environ.get("REQUIRE_SLURM") == "1":
-        pytest.fail(f"REQUIRE_SLURM=1 but {problem}; start one with engine_tests/slurm/start_cluster.sh")
+        pytest.fail(
+            f"REQUIRE_SLURM=1 but {problem}; start one with engine_tests/slurm/start_cluster.sh"
+        )
     if problem:
         pytest.skip(f"no SLURM cluster ({problem}); engine_tests/slurm/start_cluster.sh starts one")
 

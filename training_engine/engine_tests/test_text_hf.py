@@ -176,9 +176,8 @@ def test_bytes_ids_are_the_exported_tokenizers_ids_and_decay_skips_norms_and_emb
 
 def test_a_hf_model_directory_loads_as_model_pretrained(tmp_path):
     """model.pretrained: a local save_pretrained directory, never the Hub."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     from digit_trainer.models.hf import causal_lm
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     saved = tmp_path / "gpt2"
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=257)).save_pretrained(

@@ -21,12 +21,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from digit_trainer.data.digits import load_digits
+from digit_trainer.models.digits import MLP
 from safetensors.torch import load_file
 
-from digit_trainer.data.digits import load_digits
 from training_engine.config import ConfigError, resolve_config
 from training_engine.tracking import build_trackers, readiness
-from digit_trainer.models.digits import MLP
 
 from .conftest import FAST, ONE_PROCESS, PROJECT_ROOT, require_trackers
 

@@ -250,12 +250,12 @@ def test_the_tasks_default_step_is_accelerates_step_bit_for_bit():
     import copy
 
     from accelerate import Accelerator
+    from digit_trainer.tasks.classification import Classification
 
     from training_engine.agreement import StepAgreement
     from training_engine.nonfinite import LossGuard
     from training_engine.preemption import StopSignals
     from training_engine.step import Step
-    from digit_trainer.tasks.classification import Classification
 
     torch.manual_seed(0)
     task = Classification()

@@ -8,12 +8,11 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from digit_trainer.contract import Callback, make_loaders
 from digit_trainer.data.digits import digits
 from digit_trainer.tasks.classification import Classification, cross_entropy
 from digit_trainer.tasks.language_model import LanguageModel
+from torch import nn
 
 
 class WithF1(Classification):

@@ -53,13 +53,13 @@ def eject(project: Path) -> list[str]:
     pyproject = project / "pyproject.toml"
     if not pyproject.is_file():
         raise EjectError(f"{project}: no pyproject.toml (run it in the project's folder)")
+    target = project / "src" / "training_engine"
+    if target.exists():
+        raise EjectError(f"{target} exists: the project already holds an engine")
     text = pyproject.read_text()
     match = PIN.search(text)
     if not match:
         raise EjectError(f"{pyproject}: no dependency on {DIST} to replace")
-    target = project / "src" / "training_engine"
-    if target.exists():
-        raise EjectError(f"{target} exists: the project already holds an engine")
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     shutil.copytree(PACKAGE, target, ignore=ignore)
     written = [str(target.relative_to(project))]

@@ -129,7 +129,7 @@ def check_task(task: Any, *, where: str = "task", predicts: bool = False) -> Tas
         raise ConfigError(
             f"{where}: {type(task).__module__}.{type(task).__qualname__} is not a task: "
             + "; ".join(problems)
-            + " (training_engine/task.py's Task lists what a task has; TaskDefaults has the defaults)"
+            + " (training_engine.task's Task lists what a task has; TaskDefaults has the defaults)"
         )
     return task
 

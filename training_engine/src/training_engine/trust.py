@@ -153,9 +153,7 @@ def project_packages() -> list[str]:
     current directory (a notebook, ``python -m``). Never named by a run dir."""
     main = getattr(sys.modules.get("__main__"), "__file__", None)
     roots = {Path.cwd(), *([Path(main).resolve().parent] if main else [])}
-    return sorted(
-        {p.parent.name for root in roots for p in (root / "src").glob("*/__init__.py")}
-    )
+    return sorted({p.parent.name for root in roots for p in (root / "src").glob("*/__init__.py")})
 
 
 def _targets(tree: Any, prefix: str):
