@@ -99,7 +99,9 @@ def template_source() -> tuple[str, str | None, Path | None]:
     folder cookiecutter read it from (its clone of a URL, or the folder itself)."""
     url = template_url(CONTEXT["_template"])
     repo_dir = local_template(CONTEXT["_repo_dir"]) if CONTEXT.get("_repo_dir") else None
-    return url, template_commit(str(repo_dir) if repo_dir else None), repo_dir
+    # Under cruft (create, update) its context names the commit it renders.
+    commit = CONTEXT.get("_commit") or template_commit(str(repo_dir) if repo_dir else None)
+    return url, commit, repo_dir
 
 
 def engine_pin(url: str, commit: str | None, repo_dir: Path | None) -> str:

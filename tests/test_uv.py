@@ -128,7 +128,11 @@ def test_a_uv_project_syncs_runs_its_tests_and_trains_with_uvs_own_options(
 
     # The dev group came with it: jsonschema and hadolint for the Kubernetes tests, which
     # also find the project's Hydra plugins in the uv-installed package.
-    selection = ["-m", "not multiprocess", "tests/test_k8s.py"]
+    # The engine, locked at the pin's commit (a git source: the template's URL).
+    (engine,) = [p for p in lock["package"] if p["name"] == "training-engine"]
+    assert "#" + template_url.removeprefix("git+") not in engine["source"]["git"]
+    assert engine["source"]["git"].startswith(template_url.removeprefix("git+"))
+    selection = ["-m", "not multiprocess", "tests/test_configs.py"]
     out = uv_run("run", "pytest", "-q", "-p", "no:cacheprovider", *selection).stdout
     assert " passed" in out and " failed" not in out and " skipped" not in out, out[-3000:]
 
