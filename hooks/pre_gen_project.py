@@ -38,6 +38,8 @@ PROJECT_MODULES = {
     "tests",
     "torch",
     "tqdm",
+    "training_engine",
+    "engine_tests",
     "train",
     "wandb",
     "deepspeed",

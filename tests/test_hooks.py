@@ -20,6 +20,10 @@ from .conftest import BIN, REPO, bake
         ({"project_slug": "json"}, "project_slug 'json' would shadow the module 'json'"),
         ({"package_name": "torch"}, "package_name 'torch' would shadow the module 'torch'"),
         ({"package_name": "hydra"}, "package_name 'hydra' would shadow the module 'hydra'"),
+        (
+            {"package_name": "training_engine"},
+            "package_name 'training_engine' would shadow the module 'training_engine'",
+        ),
         ({"package_name": "test"}, "package_name 'test' would shadow the module 'test'"),
         ({"project_slug": "MyProject"}, "project_slug 'MyProject' must be lowercase"),
         ({"project_slug": "../escaped"}, "project_slug '../escaped' is not a Python identifier"),

@@ -77,7 +77,7 @@ def test_cruft_update_brings_template_changes_and_keeps_the_projects(tmp_path, c
     assert changes(project) == [".cruft.json", "pyproject.toml"]  # no conflicts, no .rej
     diff = [
         line
-        for line in git(project, "diff", "-U0", "pyproject.toml").splitlines()
+        for line in git(project, "diff", "HEAD", "-U0", "pyproject.toml").splitlines()
         if line[:1] in "+-" and not line.startswith(("+++", "---"))
     ]
     assert diff == [
