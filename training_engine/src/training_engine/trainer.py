@@ -331,7 +331,7 @@ class Trainer:
                 batches_done=done,
                 num_processes=self.accelerator.num_processes,
             )
-            for self._batch, self.data in enumerate(batches, start=done + 1):  # noqa: B007
+            for self._batch, self.data in enumerate(batches, start=done + 1):
                 yield self.data
                 if self._ended():
                     return
