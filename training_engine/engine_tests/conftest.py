@@ -47,11 +47,11 @@ FAST = [
 TRAIN_WITH_FAULTS = str(TESTS / "train_with_faults.py")
 # For train.py subprocesses: the tests' own modules (engine_tests.faults) must be
 # importable in every worker they start (TESTS.parent), and so must the project's.
-ENV = {
-    **os.environ,
+PATHS = {
     "PYTHONPATH": pythonpath(TESTS.parent, PROJECT_ROOT),
     "TRAINING_ENGINE_PROJECT": str(PROJECT_ROOT),
 }
+ENV = {**os.environ, **PATHS}
 
 
 def wait_for(path: Path, timeout: float = 120) -> None:
@@ -84,7 +84,8 @@ def run_train(
     One process unless OVERRIDES name a parallel mode; ``as_baked``: the bake's default."""
     pinned = [] if as_baked else [ONE_PROCESS]
     script = TRAIN_WITH_FAULTS if pause_at else "train.py"
-    env = {**ENV, "CKPT_TEST_PAUSE_AT": pause_at} if pause_at else ENV
+    # the environment as it is now (a test may have set variables), and the paths
+    env = {**os.environ, **PATHS, **({"CKPT_TEST_PAUSE_AT": pause_at} if pause_at else {})}
     run = run_script(
         PROJECT_ROOT, run_dir, *pinned, *overrides, script=script, env=env, timeout=timeout
     )

@@ -142,7 +142,7 @@ def test_distillation_from_a_frozen_teacher(train_run, tmp_path):
         *FAST,
         "trainer.max_steps=60",
         f"task._target_={USER}.Distill",
-        f"+frozen_models.teacher._target_={PKG}.engine.inference.load_model",
+        "+frozen_models.teacher._target_=training_engine.inference.load_model",
         f"+frozen_models.teacher.path={teacher.run_dir}",
     )
     assert run.summary["metrics"]["train/agreement"] > 0.7  # the student follows it

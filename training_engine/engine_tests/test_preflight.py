@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from training_engine.throughput import Throughput, peak_flops, peak_for_name
 
-from .conftest import FAST, ONE_PROCESS, PROJECT_ROOT
+from .conftest import FAST, ONE_PROCESS, PATHS, PROJECT_ROOT
 
 # FAST turns preflight off (it costs every test run time); these turn it on.
 PREFLIGHT = [*FAST, "preflight=default"]
@@ -27,8 +27,7 @@ ESTIMATES = {"steps_per_sec", "eta_s", "checkpoint_bytes", "disk_free_bytes", "p
 # what eta_s sums, from the run's own plan
 ESTIMATES |= {"steps_left", "step_s", "evaluations", "eval_s", "checkpoints", "checkpoint_s"}
 # The tests' own modules (engine_tests.faults) must be importable in spawned workers too.
-PATHS = [str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")]
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in PATHS if p)}
+ENV = {**os.environ, **PATHS}
 
 
 def report(run_dir: Path) -> dict:

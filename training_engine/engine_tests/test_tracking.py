@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from training_engine.config import ConfigError, resolve_config
 from training_engine.tracking import build_trackers, readiness
 
-from .conftest import FAST, ONE_PROCESS, PROJECT_ROOT, require_trackers
+from .conftest import FAST, ONE_PROCESS, PATHS, PROJECT_ROOT, require_trackers
 
 ALL = "tracker=[csv,tensorboard,wandb,mlflow]"
 LOGGED = {
@@ -52,8 +52,7 @@ def env(tmp_path):
     PYTHONPATH keeps engine_tests.faults importable in the workers."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "MLFLOW_"))}
     (tmp_path / "home").mkdir()
-    paths = [str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")]
-    return {**clean, "HOME": str(tmp_path / "home"), "PYTHONPATH": os.pathsep.join(paths)}
+    return {**clean, "HOME": str(tmp_path / "home"), **PATHS}
 
 
 def train(run_dir: Path, env: dict, *overrides: str) -> subprocess.CompletedProcess:
