@@ -109,11 +109,15 @@ def engine_pin(url: str, commit: str | None, repo_dir: Path | None) -> str:
     the same URL and commit ``.cruft.json`` records; from a local folder, that
     folder's ``training_engine/``; else the released version, from a package index."""
     if "://" in url and commit:
+        # file:///path as file://localhost/path: git reads both, and a requirement's URL
+        # needs a host (packaging refuses git+file:///..., so pip does)
+        if url.startswith("file:///"):
+            url = "file://localhost/" + url.removeprefix("file:///")
         return f"{ENGINE} @ git+{url}@{commit}#subdirectory={ENGINE_DIR}"
-    if repo_dir and (repo_dir / ENGINE_DIR / "pyproject.toml").is_file():
-        if "://" not in url:
-            return f"{ENGINE} @ {(repo_dir / ENGINE_DIR).resolve().as_uri()}"
-    if repo_dir and (repo_dir / ENGINE_DIR / "pyproject.toml").is_file():
+    local = repo_dir is not None and (repo_dir / ENGINE_DIR / "pyproject.toml").is_file()
+    if local and "://" not in url:
+        return f"{ENGINE} @ {(repo_dir / ENGINE_DIR).resolve().as_uri()}"
+    if local:
         return f"{ENGINE}=={engine_version(repo_dir)}"
     return ENGINE
 

@@ -72,7 +72,9 @@ def fingerprint(run_dir: Path) -> str:
 def test_the_release_table_names_commits_of_this_history():
     found = releases()
     assert found, "training_engine/RELEASES.md records no release"
-    assert [v for v, _ in found] == sorted({v for v, _ in found}, key=lambda v: tuple(map(int, v.split("."))))
+    assert [v for v, _ in found] == sorted(
+        {v for v, _ in found}, key=lambda v: tuple(map(int, v.split(".")))
+    )
     for _, commit in found:
         known = subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", f"{commit}^{{commit}}"])
         assert known.returncode == 0, f"release commit {commit} is not in this clone's history"

@@ -104,7 +104,8 @@ def test_the_origin_and_the_engine_pin_name_the_template_whatever_its_form(
     assert state["commit"] == head
     if form == "git URL":
         assert state["template"] == template_url.removeprefix("git+")
-        assert pin == f"training-engine @ {template_url}@{head}#subdirectory=training_engine"
+        url = template_url.replace("git+file:///", "git+file://localhost/")  # a host: pip's need
+        assert pin == f"training-engine @ {url}@{head}#subdirectory=training_engine"
     else:
         assert state["template"] == str(REPO)
         assert pin == f"training-engine @ {(REPO / 'training_engine').as_uri()}"

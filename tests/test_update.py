@@ -81,8 +81,8 @@ def test_cruft_update_brings_template_changes_and_keeps_the_projects(tmp_path, c
         if line[:1] in "+-" and not line.startswith(("+++", "---"))
     ]
     assert diff == [
-        f'-    "training-engine @ git+file://{template}{pinned_at}",',
-        f'+    "training-engine @ git+file://{template}@{updated_to}#subdirectory=training_engine",',
+        f'-    "training-engine @ git+file://localhost{template}{pinned_at}",',
+        f'+    "training-engine @ git+file://localhost{template}@{updated_to}#subdirectory=training_engine",',
     ]
     git(project, "commit", "-q", "-am", "engine update")
 
