@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -165,10 +166,36 @@ class Pods:
                 )
 
     def wait(self, timeout: float = 180) -> list[int]:
+        deadline = time.monotonic() + timeout
         try:
-            return [p.wait(timeout=timeout) for p in self.procs]
+            codes = []
+            for proc in self.procs:
+                try:
+                    codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
+                except subprocess.TimeoutExpired:
+                    pytest.fail(f"the pods still run after {timeout:.0f}s:\n{self.report()}")
+            return codes
         finally:
             self.kill()
+
+    def report(self) -> str:
+        """Each pod: its exit code, or its processes still there (state, where each
+        waits in the kernel), and the end of its log: what a hang needs explained."""
+        lines = []
+        for rank, proc in enumerate(self.procs):
+            if proc.poll() is not None:
+                lines.append(f"pod {rank}: exited {proc.returncode}")
+            else:
+                lines.append(f"pod {rank}: running")
+                for pid in process_tree(proc.pid):
+                    with contextlib.suppress(OSError):
+                        proc_dir = Path("/proc") / str(pid)
+                        state = (proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                        wchan = (proc_dir / "wchan").read_text()
+                        cmd = (proc_dir / "cmdline").read_bytes().replace(b"\0", b" ")[:120]
+                        lines.append(f"  {pid} {state} {wchan}: {cmd.decode(errors='replace')}")
+            lines.append(self.output(rank)[-1500:])
+        return "\n".join(lines)
 
     def output(self, rank: int) -> str:
         return (self.logs / f"pod{rank}-{self.starts}.log").read_text()[-3000:]
