@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save
 
 from training_engine import trust
 from training_engine.checkpoint.__main__ import main as checkpoint_cli
@@ -182,6 +182,31 @@ def test_resume_skips_a_hostile_checkpoint_of_its_own_run(base, tmp_path, case):
     assert problem in longer.output or case == "config target"
     assert longer.summary["resumed_from"] == str(run / "checkpoints" / PREVIOUS)
     assert longer.summary["step"] == 40 and not marker.exists()
+
+
+def weights_that_do_not_fit(ckpt: Path, _: Path) -> None:
+    """Valid safetensors with every checksum rewritten, but the first layer's weight
+    of another shape (and one tensor more): what a forged checkpoint, or one of a model
+    whose code changed since, holds."""
+    weights = load_file(ckpt / "model.safetensors")
+    first = next(k for k, v in weights.items() if v.ndim == 2)
+    weights[first] = torch.zeros(weights[first].shape[0] + 1, weights[first].shape[1])
+    weights["extra.weight"] = torch.zeros(2)
+    forge(ckpt, "model.safetensors", save(weights))
+
+
+def test_resume_skips_a_checkpoint_whose_weights_do_not_fit_the_model(base, tmp_path):
+    """Judged by what it holds before anything is loaded: named, skipped, and the run
+    resumes from the previous checkpoint (not load_state_dict's traceback mid-start)."""
+    run = tmp_path / "run"
+    shutil.copytree(base, run)
+    weights_that_do_not_fit(run / "checkpoints" / NEWEST, tmp_path)
+    longer = run_train(run, *BASE, "trainer.max_steps=40")
+    assert "its weights do not fit this model" in longer.output
+    assert "has extra.weight, which this model does not" in longer.output
+    assert "this model's [" in longer.output and "Traceback" not in longer.output
+    assert longer.summary["resumed_from"] == str(run / "checkpoints" / PREVIOUS)
+    assert longer.summary["step"] == 40
 
 
 def test_predict_refuses_untrusted_code_and_skips_a_symlink(base, tmp_path):

@@ -140,6 +140,7 @@ class Trainer:
             run_dir=run_dir,
             accelerator=accelerator,
             configured=cfg.trainer.grad_accum_steps,
+            model=model,  # a checkpoint whose weights do not fit it is skipped, named
         )
         self.grad_accum = self.resume.grad_accum
         # The loop's length and cadence, once: the loop runs it, preflight's ETA asks it.

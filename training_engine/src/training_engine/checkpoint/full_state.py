@@ -119,6 +119,27 @@ def optimizer_state(accelerator: Any, model: torch.nn.Module, optimizer: Any) ->
     )
 
 
+def weights_misfit(plain: torch.nn.Module, state: dict[str, torch.Tensor]) -> str | None:
+    """Why a checkpoint's full weights (``state``) do not fit ``plain``: names it lacks
+    or does not have, shapes that differ; None when they fit. Asked before anything is
+    loaded, so that a checkpoint is judged by what it holds (a forged one whose
+    checksums were rewritten, or one of a model whose code changed since) and not by
+    load_state_dict's traceback once the run has started."""
+    expected = {k: tuple(v.shape) for k, v in plain.state_dict().items()}
+    state = ties.restore(state, ties.find(plain))
+    problems = [f"lacks {k}" for k in sorted(set(expected) - set(state))]
+    problems += [f"has {k}, which this model does not" for k in sorted(set(state) - set(expected))]
+    problems += [
+        f"{k} is {list(state[k].shape)}, this model's {list(expected[k])}"
+        for k in sorted(set(expected) & set(state))
+        if tuple(state[k].shape) != expected[k]
+    ]
+    if not problems:
+        return None
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    return "; ".join(problems[:3]) + more
+
+
 def load_model_and_optimizer(
     accelerator: Any,
     model: torch.nn.Module,

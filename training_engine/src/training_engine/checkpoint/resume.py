@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from ..config import allowed_config_changes, config_differences
-from . import elastic, folder, sharded, zero
+from . import elastic, folder, sharded, ties, zero
 from . import format as fmt
 from .format import CheckpointError, ConfigMismatch
+from .full_state import plain_model, weights_misfit
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +58,13 @@ class ResumePlan:
         return next(n for n in self.files if n.startswith(fmt.RNG_PREFIX))
 
 
-def verify(ckpt: Path, *, config: dict[str, Any], accelerator: Any) -> tuple[dict, dict]:
+def verify(
+    ckpt: Path, *, config: dict[str, Any], accelerator: Any, model: Any = None
+) -> tuple[dict, dict]:
     """(manifest, parsed files) of ``ckpt`` as this rank loads it: every file's size
-    and checksum against the manifest, the trainer state's shape, and the config
-    compared with this run's. CheckpointError for a damaged one; ConfigMismatch
+    and checksum against the manifest, the trainer state's shape, the config
+    compared with this run's, and (given the ``model``, full layout) its weights'
+    names and shapes against the model's. CheckpointError for a damaged one; ConfigMismatch
     for one of a run whose model, data or optimization differ; ConfigError (exit 2)
     for DeepSpeed's files on another world size or parallel mode (zero.py)."""
     manifest = fmt.read_manifest(ckpt)
@@ -82,6 +86,11 @@ def verify(ckpt: Path, *, config: dict[str, Any], accelerator: Any) -> tuple[dic
             "Start a new run (another run_name, or checkpoint.resume=never), or put "
             "the keys back. Allowed to change: " + ", ".join(allowed)
         )
+    if model is not None and manifest.get("layout", "full") == "full":
+        weights = ties.restore(files[fmt.MODEL], ties.of_checkpoint(files, ckpt))
+        misfit = weights_misfit(plain_model(accelerator, model), weights)
+        if misfit:
+            raise CheckpointError(f"{ckpt}: its weights do not fit this model: {misfit}")
     return manifest, files
 
 
@@ -92,7 +101,13 @@ def _parse(name: str, path: Path) -> Any:
 
 
 def plan_resume(
-    checkpoint: Any, *, config: dict[str, Any], run_dir: Path, accelerator: Any, configured: int
+    checkpoint: Any,
+    *,
+    config: dict[str, Any],
+    run_dir: Path,
+    accelerator: Any,
+    configured: int,
+    model: Any = None,
 ) -> ResumePlan:
     """The plan for ``checkpoint.resume`` (``cfg.checkpoint``); sets the planned
     accumulation on ``accelerator``. A collective when there are checkpoints.
@@ -128,14 +143,14 @@ def plan_resume(
         if mode == "auto" and not found:
             log.info(f"no checkpoint in {own_dir}: starting from scratch")
         else:
-            plan = _agreed(found, mode, own_dir, config, accelerator)
+            plan = _agreed(found, mode, own_dir, config, accelerator, model)
             plan = _with_accumulation(plan, accelerator.num_processes, configured)
     accelerator.gradient_accumulation_steps = plan.grad_accum
     return plan
 
 
 def _agreed(
-    found: list[Path], mode: str, own_dir: Path, config: dict, accelerator: Any
+    found: list[Path], mode: str, own_dir: Path, config: dict, accelerator: Any, model: Any
 ) -> ResumePlan:
     """The newest of ``found`` that verifies on every rank: each rank takes its newest
     valid one at or below the agreed bound, the bound becomes the oldest taken,
@@ -144,7 +159,7 @@ def _agreed(
     problems: list[str] = []
     bound, taken = None, None
     while True:
-        taken = _first_valid(newest_first, bound, own_dir, config, accelerator, problems)
+        taken = _first_valid(newest_first, bound, own_dir, config, accelerator, model, problems)
         mine = folder.step_of(taken[0]) if taken else -1
         steps = _gather(accelerator, mine)
         bound = min(steps)
@@ -169,13 +184,14 @@ def _first_valid(
     own_dir: Path,
     config: dict,
     accelerator: Any,
+    model: Any,
     problems: list[str],
 ) -> tuple[Path, dict, dict] | None:
     for ckpt in newest_first:
         if bound is not None and folder.step_of(ckpt) > bound:
             continue
         try:
-            manifest, files = verify(ckpt, config=config, accelerator=accelerator)
+            manifest, files = verify(ckpt, config=config, accelerator=accelerator, model=model)
         except ConfigMismatch as err:
             # Another run's checkpoint (checkpoint.resume=PATH): no fallback fixes that.
             # One of this run's own that disagrees with the run (its config.json was
