@@ -5,19 +5,19 @@ defaults (package ``digit_trainer``), in a subprocess, and compose its real conf
 
 import os
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
-from hydra import compose
 
 from training_engine.testing import (
     TrainRun,
-    composed_configs,
+    compose_train,
     config_options,
     failure,
     fingerprints,  # noqa: F401 (the tests import it from here)
-    missing_tracker_packages,
     pythonpath,
+    require_trackers,  # noqa: F401 (the tests import it from here)
     run_script,
 )
 
@@ -61,16 +61,6 @@ def wait_for(path: Path, timeout: float = 120) -> None:
         time.sleep(0.1)
 
 
-def require_trackers(*names: str) -> None:
-    """Tests of optional trackers need their packages (``pip install -e '.[dev]'``
-    installs them all). Only where TESTS_SKIP_MISSING_EXTRAS=1 says that the
-    environment lacks them on purpose is a missing one a skip; anywhere else
-    the test runs and fails, naming the install command."""
-    missing = missing_tracker_packages(*names)
-    if missing and os.environ.get("TESTS_SKIP_MISSING_EXTRAS") == "1":
-        pytest.skip(f"not installed here: {', '.join(missing)}")
-
-
 def run_train(
     run_dir: Path,
     *overrides: str,
@@ -111,9 +101,4 @@ def train_run(tmp_path):
 @pytest.fixture
 def compose_cfg():
     """Compose ``configs/train.yaml`` with overrides, as ``python train.py`` would."""
-
-    def _compose(*overrides: str, hydra_config: bool = False):
-        with composed_configs(PROJECT_ROOT):
-            return compose("train", overrides=list(overrides), return_hydra_config=hydra_config)
-
-    return _compose
+    return partial(compose_train, PROJECT_ROOT)

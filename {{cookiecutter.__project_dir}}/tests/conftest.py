@@ -3,16 +3,16 @@ with kill -9 resumes bit for bit (tests/test_recipe.py). The engine's own tests 
 where the engine is released, not here (docs/updates.md)."""
 
 import os
+from functools import partial
 from pathlib import Path
 
 import pytest
-from hydra import compose
 from training_engine.testing import (
     TrainRun,
-    composed_configs,
+    compose_train,
     failure,
-    missing_tracker_packages,
     pythonpath,
+    require_trackers,  # noqa: F401 (the tests import it from here)
     run_script,
 )
 
@@ -30,15 +30,6 @@ FAST = [
 ENV = {**os.environ, "PYTHONPATH": pythonpath(PROJECT_ROOT)}
 
 
-def require_trackers(*names: str) -> None:
-    """Tests of optional trackers need their packages (``pip install -e '.[dev]'``
-    installs them all). Only where TESTS_SKIP_MISSING_EXTRAS=1 says that the
-    environment lacks them on purpose is a missing one a skip."""
-    missing = missing_tracker_packages(*names)
-    if missing and os.environ.get("TESTS_SKIP_MISSING_EXTRAS") == "1":
-        pytest.skip(f"not installed here: {', '.join(missing)}")
-
-
 def run_train(run_dir: Path, *overrides: str, check: bool = True) -> TrainRun:
     """``python train.py hydra.run.dir=RUN_DIR OVERRIDES`` in the project's folder."""
     run = run_script(PROJECT_ROOT, run_dir, *overrides, env=ENV, timeout=600)
@@ -51,9 +42,4 @@ def run_train(run_dir: Path, *overrides: str, check: bool = True) -> TrainRun:
 @pytest.fixture
 def compose_cfg():
     """Compose ``configs/train.yaml`` with overrides, as ``python train.py`` would."""
-
-    def _compose(*overrides: str, hydra_config: bool = False):
-        with composed_configs(PROJECT_ROOT):
-            return compose("train", overrides=list(overrides), return_hydra_config=hydra_config)
-
-    return _compose
+    return partial(compose_train, PROJECT_ROOT)

@@ -77,6 +77,27 @@ def missing_tracker_packages(*names: str) -> list[str]:
     return [m for name in names for m in REQUIRES.get(name, ()) if find_spec(m) is None]
 
 
+def require_trackers(*names: str) -> None:
+    """Tests of optional trackers need their packages (``pip install -e '.[dev]'``
+    installs them all). Only where TESTS_SKIP_MISSING_EXTRAS=1 says that the
+    environment lacks them on purpose is a missing one a skip; anywhere else the
+    test runs and fails, naming the install command."""
+    import pytest
+
+    missing = missing_tracker_packages(*names)
+    if missing and os.environ.get("TESTS_SKIP_MISSING_EXTRAS") == "1":
+        pytest.skip(f"not installed here: {', '.join(missing)}")
+
+
+def compose_train(project: Path, *overrides: str, hydra_config: bool = False):
+    """``configs/train.yaml`` of the project composed with overrides, as
+    ``python train.py`` composes it."""
+    from hydra import compose
+
+    with composed_configs(project):
+        return compose("train", overrides=list(overrides), return_hydra_config=hydra_config)
+
+
 @contextmanager
 def composed_configs(project: Path) -> Iterator[None]:
     """Hydra initialised on the project's ``configs/``, its resolvers registered, as
