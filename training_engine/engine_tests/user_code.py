@@ -257,3 +257,50 @@ class EvalCounter(Callback):
 
     def load_state_dict(self, state):
         self.count = int(state["count"])
+
+
+class AugmentedDigits(torch.utils.data.Dataset):
+    """10. Augmentation as people write it, every draw from a global RNG: kornia's
+    random affine and crop (torch's), pixel noise (``numpy.random``) and a brightness
+    (``random``). The engine makes each draw a function of (seed, epoch, index);
+    ``epochs`` records the epoch a ``set_epoch`` told each copy (a worker's too)."""
+
+    def __init__(self, images, labels) -> None:
+        import kornia.augmentation as K  # the vision extra
+
+        self.images, self.labels, self.epoch = images, labels, None
+        self.augment = torch.nn.Sequential(
+            K.RandomAffine(degrees=15.0, translate=(0.1, 0.1), p=1.0),
+            K.RandomCrop((8, 8), padding=1, p=1.0),
+        )
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        import random
+
+        import numpy as np
+
+        image = self.augment(self.images[index][None])[0]  # kornia takes a batch
+        noise = torch.from_numpy(np.random.normal(0, 0.05, image.shape).astype("float32"))
+        image = (image + noise) * (0.8 + 0.4 * random.random())
+        return image, self.labels[index]
+
+
+def augmented_digits(**digits_keys):
+    """data=digits with AugmentedDigits for training (``_target_`` this, the keys of
+    data=digits)."""
+    loaders = digits(**digits_keys)
+    images, labels = loaders.train.dataset.tensors
+    return make_loaders(
+        AugmentedDigits(images, labels),
+        loaders.val.dataset,
+        batch_size=digits_keys["batch_size"],
+        seed=digits_keys["seed"],
+        val_batch_size=digits_keys.get("val_batch_size"),
+        num_workers=digits_keys.get("num_workers", 0),
+    )

@@ -85,8 +85,14 @@ def build_accelerator(cfg: DictConfig, run_dir: Path) -> Accelerator:
         # trainer.compile: prepare() wraps the model in torch.compile (inductor).
         dynamo_backend="inductor" if cfg.trainer.get("compile", False) else "no",
     )
-    if why and accelerator.is_main_process:  # trainer.mixed_precision=auto: say what it chose
-        log.info(f"trainer.mixed_precision=auto: {precision} ({why})")
+    if accelerator.is_main_process:  # the precision in use, whether chosen or given
+        given = cfg.trainer.mixed_precision
+        log.info(f"trainer.mixed_precision={given}: {precision} ({why or 'as given'})")
+        if cfg.trainer.get("compile", False):
+            log.info(
+                "trainer.compile=true: torch.compile (inductor) compiles at the first step, "
+                f"which may take minutes{' on a CPU' if on_cpu else ''}"
+            )
     upstream.cache_lomo_check()  # asked on every step by accelerate's optimizer wrapper
     if p.mode != "none":
         # accelerate passes on only the InitProcessGroupKwargs that differ from its

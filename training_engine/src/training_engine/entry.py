@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .run_options import with_runs_data_option
+
 EXIT_BAD_INPUT = 2
 
 
@@ -34,6 +36,8 @@ def run_entry_point(main: Callable[[], Any], config_dir: Path, config_name: str)
     from hydra.errors import ConfigCompositionException, OverrideParseException
 
     skip_the_final_collection()
+    # eval/predict/generate ckpt=RUN data.KEY=...: the run's own data option, not the default
+    sys.argv[1:] = with_runs_data_option(sys.argv[1:], config_dir)
     previous = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises them to us instead of printing them
     try:

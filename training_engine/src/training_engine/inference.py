@@ -41,6 +41,7 @@ FROM_RUN = (
     "trainer.compile",
 )
 BUILT_FROM_RUN = ("task", "model", "data")  # of those, what names code (``_target_``)
+TRUST_IN_CALL = "pass the module to load_model (or load_predictor): trusted="
 
 
 @dataclass
@@ -151,7 +152,12 @@ def read_weights(ckpt: Path, weights: str = "raw") -> tuple[dict[str, torch.Tens
 
 
 def trusted_config(
-    config: dict[str, Any], keys: tuple[str, ...], *, trusted: Any, where: str
+    config: dict[str, Any],
+    keys: tuple[str, ...],
+    *,
+    trusted: Any,
+    where: str,
+    hint: str = trust.TRUST_IN_CONFIG,
 ) -> dict[str, Any]:
     """``config`` (read from a run dir) made safe to build: every ``_target_`` under
     ``keys`` checked against the project's trust (trust.check_targets: exit 2
@@ -161,7 +167,8 @@ def trusted_config(
         sub = OmegaConf.select(node, key, default=None)
         if isinstance(sub, DictConfig):
             tree = OmegaConf.to_container(sub, resolve=False)
-            trust.check_targets(tree, trusted=list(trusted or ()), where=f"{where} ({key})")
+            where_key = f"{where} ({key})"
+            trust.check_targets(tree, trusted=list(trusted or ()), where=where_key, hint=hint)
     return trust.literal(config)
 
 
@@ -178,7 +185,9 @@ def load_checkpoint(
     ckpt, state, config = read_first_valid(path, pick, weights)
     if model_config is None:
         where = f"{ckpt / 'config.json'}"
-        model_config = trusted_config(config, ("model",), trusted=trusted, where=where)["model"]
+        model_config = trusted_config(
+            config, ("model",), trusted=trusted, where=where, hint=TRUST_IN_CALL
+        )["model"]
     node = OmegaConf.create(model_config)
     model = instantiate(node, what="model")
     try:

@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DistributedSampler, IterableDataset, Sampler, SequentialSampler
 
 from .config import ConfigError
+from .per_sample import EpochIndices
 
 
 @runtime_checkable
@@ -112,17 +113,17 @@ def seeded(which: str, order: Any, *, dataset: Any, seed: int, generator: torch.
 
 
 def set_epoch(loader: Any, epoch: int) -> None:
-    """Tell the loader's ``EpochSeeded`` the epoch, wherever accelerate nested it
-    (skip > shard > batch sampler > sampler): its own ``set_epoch`` misses a batch
-    sampler on two processes."""
+    """Tell the loader's ``EpochSeeded`` and ``per_sample.EpochIndices`` the epoch,
+    wherever accelerate nested them (skip > shard > indices > batch sampler >
+    sampler): its own ``set_epoch`` misses a batch sampler on two processes."""
     found = getattr(loader, "batch_sampler", None)
     for _ in range(8):  # a few levels; never loops on a sampler that names itself
-        if found is None or isinstance(found, EpochSeeded):
+        if found is None:
             break
+        if isinstance(found, EpochSeeded | EpochIndices):
+            found.set_epoch(epoch)
         inner = getattr(found, "batch_sampler", None)
         found = inner if inner is not None else getattr(found, "sampler", None)
-    if isinstance(found, EpochSeeded):
-        found.set_epoch(epoch)
 
 
 def first_batches_drawn(loader: Any, batches: int) -> list[list[int]]:

@@ -24,6 +24,7 @@ from .agreement import StepAgreement
 from .callbacks import Callbacks, RunContext, build_callbacks, stateful
 from .checkpoint import CheckpointManager, plain_model, plan_resume, save_final_weights
 from .claim import Decision, agree, commit_attempt
+from .classes import check_model_fits_classes, data_classes, write_classes
 from .config import instantiate
 from .debug import Debug
 from .early_stopping import EarlyStopping
@@ -32,12 +33,14 @@ from .finetune import init_from
 from .fits import check_model_fits_data
 from .frozen import build_frozen_models
 from .fsdp import shard_model
+from .inference import BUILT_FROM_RUN
 from .loaders import batches_per_epoch, continue_epoch, run_length
 from .logs import setup_rank_logging
 from .media import Media
 from .metrics import MetricBook, WindowMeans
 from .nonfinite import LossGuard
 from .optimizers import build_optimizers
+from .per_sample import exact_loaders
 from .preemption import StopSignals
 from .preflight import run_preflight
 from .progress import Progress, RunClock
@@ -51,6 +54,7 @@ from .step import Step
 from .task import build_task
 from .throughput import Throughput
 from .tracking import log_final_model, start_trackers, watch_model
+from .trust import warn_what_evaluation_will_refuse
 from .watchdog import Watchdog
 
 log = logging.getLogger("train")
@@ -104,12 +108,20 @@ class Trainer:
         """Task, data, model, optimizers, schedule (each checks its own arguments)."""
         accelerator = self.accelerator
         self.task = task = build_task(cfg.task)  # configs/task/: loss, step, evaluation
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        refused = warn_what_evaluation_will_refuse(resolved, BUILT_FROM_RUN, cfg.trusted_targets)
+        if refused:  # said now, not after hours of training
+            log.warning(refused)
         self.loaders = self.debug.loaders(instantiate(cfg.data, what="data"))
+        # each sample's random draws (augmentation) a function of (seed, epoch, index)
+        self.loaders = exact_loaders(self.loaders, cfg.seed)
         with same_on_every_rank(cfg.seed):
             model = instantiate(cfg.model, what="model")
             # frozen_models: models the step calls but never trains (e.g. a teacher)
             frozen = build_frozen_models(cfg.frozen_models, device=accelerator.device)
         check_model_fits_data(model, cfg.data)  # vocabulary and positions: exit 2
+        self.classes = data_classes(self.loaders)  # ImageFolder's classes, if any
+        check_model_fits_classes(model, self.classes)  # the head's size: exit 2
         # checkpoint.init_from: a new run starting from another run's weights
         self.fine_tuned = init_from(cfg.checkpoint, model=model)
         # parallel=fsdp: each repeated block its own FSDP unit, then the root (else a
@@ -262,6 +274,8 @@ class Trainer:
             start_step=self.step_count,
         )
         commit_attempt(run_dir, accelerator)  # training starts: the staged config.json
+        if accelerator.is_main_process:  # class names for predict.py and load_model
+            write_classes(run_dir, self.classes)
         if cfg.preflight.only:  # preflight.only=true: the report was all we wanted
             accelerator.wait_for_everyone()
             accelerator.end_training()

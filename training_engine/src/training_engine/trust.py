@@ -129,7 +129,12 @@ def literal(tree: Any) -> Any:
     return tree
 
 
-def check_targets(tree: Any, *, trusted: list[str] | tuple[str, ...], where: str) -> None:
+TRUST_IN_CONFIG = "add the module to trusted_targets (configs/train.yaml), e.g. trusted_targets="
+
+
+def check_targets(
+    tree: Any, *, trusted: list[str] | tuple[str, ...], where: str, hint: str = TRUST_IN_CONFIG
+) -> None:
     """Raise ConfigError (exit 2) when a ``_target_`` anywhere in ``tree`` (a config
     read from a run dir) is not under the project's package or a module listed in
     ``trusted``. Checked before anything is imported."""
@@ -142,9 +147,46 @@ def check_targets(tree: Any, *, trusted: list[str] | tuple[str, ...], where: str
             raise ConfigError(
                 f"{where} names {key}={target!r}, which this project does not trust: a config "
                 f"read from a run dir may only build classes and functions of "
-                f"{', '.join(allowed)}. If you trust that run, add the module to "
-                f"trusted_targets (configs/train.yaml), e.g. trusted_targets=[{_module(target)}]"
+                f"{', '.join(allowed)}. If you trust that run, {hint}[{_module(target)}]"
             )
+
+
+def untrusted_targets(tree: Any, *, trusted: list[str] | tuple[str, ...]) -> list[tuple[str, str]]:
+    """The (key, target) pairs of ``tree`` that ``check_targets`` would refuse."""
+    allowed = (ENGINE_PACKAGE, *project_packages(), *trusted)
+    return [
+        (key, str(target))
+        for key, target in _targets(tree, "")
+        if not (
+            isinstance(target, str)
+            and any(target == p or target.startswith(p + ".") for p in allowed)
+        )
+    ]
+
+
+def warn_what_evaluation_will_refuse(
+    config: dict, keys: tuple[str, ...], trusted: Any
+) -> str | None:
+    """Said at the start of training: which ``_target_``s of the run's model, data and
+    task eval.py, predict.py and load_model will refuse to build, and how to trust
+    them (a run dir never grants itself trust). None when there are none."""
+    found = [
+        (f"{key}.{name}" if name else key, target)
+        for key in keys
+        if isinstance(config.get(key), dict)
+        for name, target in untrusted_targets(config[key], trusted=list(trusted or ()))
+    ]
+    if not found:
+        return None
+    modules = sorted({_module(t) for _, t in found})
+    named = ", ".join(f"{k}={t}" for k, t in found)
+    model = [_module(t) for k, t in found if k.startswith("model.")]
+    also = f"; load_model(..., trusted={sorted(set(model))})" if model else ""
+    return (
+        f"{named}: outside this project and trusted_targets, so eval.py and predict.py will "
+        f"refuse this run until trusted: trusted_targets=[{', '.join(modules)}] "
+        f"(configs/train.yaml){also}"
+    )
 
 
 def project_packages() -> list[str]:

@@ -18,6 +18,7 @@ class Classification(TaskDefaults):
     # What ``evaluate`` returns: ``trainer.monitor`` is one of these, or a train/<name>
     # the loop logs (train/loss and loss's logs).
     metrics = ("val/loss", "val/acc")
+    top_k = 5  # predict.py's top_k column: the k most probable classes
 
     def inputs(self, *, batch: Any) -> Any:
         """What the model is called with."""
@@ -52,9 +53,16 @@ class Classification(TaskDefaults):
 
     @torch.no_grad()
     def predict(self, *, model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
-        """What predict.py writes per sample, a column each."""
-        out = self.logits(model(self.inputs(batch=batch)))
-        return {"prediction": out.argmax(dim=-1), "target": self.targets(batch=batch)}
+        """What predict.py writes per sample, a column each: the class, its
+        probability, the ``top_k`` classes (most probable first) and the label."""
+        probs = self.logits(model(self.inputs(batch=batch))).float().softmax(dim=-1)
+        best, top = probs.topk(min(self.top_k, probs.shape[-1]), dim=-1)
+        return {
+            "prediction": top[..., 0],
+            "probability": best[..., 0],
+            "top_k": top,
+            "target": self.targets(batch=batch),
+        }
 
 
 def cross_entropy(out: torch.Tensor, y: torch.Tensor, **kwargs: Any) -> torch.Tensor:
