@@ -136,6 +136,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "configs/data/tokens.yaml",
         "configs/data/token_file.yaml",
         "configs/data/hf.yaml",
+        "configs/data/images.yaml",
         "configs/data/text.yaml",
         "configs/model/hf.yaml",
         "configs/model/cnn.yaml",
@@ -163,6 +164,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         f"{pkg}/data/tokens.py",
         f"{pkg}/data/token_file.py",
         f"{pkg}/data/hf.py",
+        f"{pkg}/data/images.py",
         f"{pkg}/data/text.py",
         f"{pkg}/data/assets/digits.csv.gz",
         f"{pkg}/data/assets/digits.parquet",
@@ -174,6 +176,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "tests/conftest.py",
         "tests/test_configs.py",
         "tests/test_recipe.py",
+        "tests/test_images.py",
     }
     if ctx["license"] != "Proprietary":
         files.add("LICENSE")
