@@ -130,10 +130,10 @@ def test_help_lists_the_keys_that_matter():
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             cfg = compose(name, overrides=["ckpt=x"], return_hydra_config=True)
         text = cfg.hydra.help.template
-        for key in ("ckpt=PATH", "ckpt_pick=best", "weights=raw", "parallel=none", "Example:"):
+        for key in ("ckpt=PATH", "ckpt_pick=best", "weights=raw", "parallel=none", "Example"):
             assert key in text, (name, key)
         assert cfg.hydra.help.app_name == f"{name}.py"
-    assert "split=val" in text  # predict.py's own
+    assert "split=val" in text and "files=PATHS" in text  # predict.py's own
 
 
 def test_predict_writes_argmax_in_dataset_order(trained, tmp_path):

@@ -72,6 +72,22 @@ def test_a_transformers_model_learns_real_text_and_round_trips_to_the_hf_format(
     assert batch[0].tolist() == list(text.encode())  # the run's byte ids, through transformers
     with torch.no_grad():
         assert torch.equal(theirs(batch).logits, ours(batch).logits)
+    # the end-of-document id is eos (and bos, pad) for transformers too; the context
+    # length is the tokenizer's limit (not transformers' 1e30 default)
+    eos = 256  # bytes: ids 0-255, then <|endoftext|>
+    exported = json.loads((out / "config.json").read_text())
+    generation = json.loads((out / "generation_config.json").read_text())
+    for meta in (exported, generation):
+        assert (meta["eos_token_id"], meta["bos_token_id"], meta["pad_token_id"]) == (eos,) * 3
+    assert tokens.model_max_length == 64 and tokens.eos_token_id == eos
+    # transformers' generate stops at that eos, as generate.py does (stop_at_eos): a
+    # model made to prefer it (the final norm outputs eos's embedding, scaled up)
+    with torch.no_grad():
+        theirs.transformer.ln_f.weight.zero_()
+        theirs.transformer.wte.weight[eos] *= 10
+        theirs.transformer.ln_f.bias.copy_(theirs.transformer.wte.weight[eos])
+        made = theirs.generate(batch[:, :8], max_new_tokens=5, do_sample=False)
+    assert made[0, 8:].tolist() == [eos]  # one token, eos, then it stopped
 
 
 def test_generate_continues_a_prompt_the_same_way_twice(trained, tmp_path):
@@ -103,7 +119,10 @@ def test_text_is_tokenized_once_and_cached(trained, tmp_path):
     (folder,) = [p for p in cache.iterdir() if p.is_dir()]
     source = json.loads((folder / "source.json").read_text())
     assert source["documents"]["train"] >= 4 and source["documents"]["val"] >= 1
-    assert all(Path(f).parent == STDLIB / "json" for f in source["files"])
+    assert all(Path(f["path"]).parent == STDLIB / "json" for f in source["files"])
+    assert {(f["format"], f["compression"], f["invalid_bytes"]) for f in source["files"]} == {
+        ("text", "none", 0)
+    }
     stamp = (folder / "train.bin").stat().st_mtime_ns
     again = run_train(
         tmp_path / "again", *RUN, f"data.cache_dir={cache}", "trainer.max_steps=1",
@@ -134,6 +153,8 @@ def test_a_transformers_model_under_ddp_resumes_bit_exactly_after_kill_9(tmp_pat
 BAD = {
     "tokenizer": (["data.tokenizer=/no/such/tokenizer.json"], "data.tokenizer='/no/such/"),
     "glob": (["data.files=/no/such/dir/*.txt"], "data.files='/no/such/dir/*.txt' is not allowed"),
+    # a binary under a text name (the engine's own interpreter): refused, named, before any work
+    "binary": ([f"data.files={sys.executable}"], "holds NUL bytes"),
     "positions": (
         ["model.config.n_positions=32"],
         "data.seq_len=64 is not allowed with this model: it takes at most 32 positions",
@@ -191,3 +212,24 @@ def test_a_hf_model_directory_loads_as_model_pretrained(tmp_path):
         causal_lm(pretrained="gpt2")
     with pytest.raises(ConfigError, match="exactly one of them"):
         causal_lm(config={"model_type": "gpt2"}, pretrained=str(saved))
+
+
+def test_a_tokenizer_file_is_bounded_and_its_errors_name_data_tokenizer_and_the_file(tmp_path):
+    from training_engine.config import ConfigError
+    from training_engine.tokenizer import MAX_TOKENIZER_BYTES
+
+    cases = {
+        "not.json": (b"not json", "is not a tokenizer.json that tokenizers reads"),
+        "deep.json": (b"[" * 100_000, "is not a tokenizer.json that tokenizers reads"),
+    }
+    for name, (content, _) in cases.items():
+        (tmp_path / name).write_bytes(content)
+    huge = tmp_path / "huge.json"
+    with open(huge, "wb") as f:  # sparse: no disk, and never read
+        f.truncate(MAX_TOKENIZER_BYTES + 1)
+    cases["huge.json"] = (None, f"more than the {MAX_TOKENIZER_BYTES} a tokenizer.json holds")
+    for name, (_, expected) in cases.items():
+        with pytest.raises(ConfigError) as err:
+            load_tokenizer(str(tmp_path / name))
+        assert str(err.value).startswith(f"data.tokenizer='{tmp_path / name}'"), err.value
+        assert expected in str(err.value)

@@ -67,6 +67,12 @@ def generate(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     )
     prompt = encode(cfg.prompt, tokenizer)
     context = model_positions(model) or len(prompt) + cfg.max_new_tokens
+    if len(prompt) > context:  # the model sees only its last `context` positions
+        log.warning(
+            f"the prompt is {len(prompt)} tokens and the model takes {context} positions: "
+            f"it is cropped to its last {context} tokens ({len(prompt) - context} dropped), "
+            "and the window slides on as tokens are generated"
+        )
     generator = torch.Generator().manual_seed(int(cfg.seed))
     ids = torch.tensor([prompt], dtype=torch.long)
     eos = tokenizer.eos_id if tokenizer is not None else None

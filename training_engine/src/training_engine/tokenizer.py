@@ -18,6 +18,7 @@ from .config import ConfigError
 
 EOS = "<|endoftext|>"  # the document separator's name in the bytes vocabulary
 BYTES_VOCAB = 257  # 256 bytes + EOS
+MAX_TOKENIZER_BYTES = 256 * 2**20
 
 
 class TextTokenizer:
@@ -69,11 +70,25 @@ def load_tokenizer(path: str | None, eos_token: str = EOS) -> TextTokenizer:
 @cache
 def _load(path: str, eos_token: str) -> TextTokenizer:
     file = tokenizer_file(path)
+    size = file.stat().st_size
+    if size > MAX_TOKENIZER_BYTES:  # read whole by tokenizers: bounded first
+        raise ConfigError(
+            f"data.tokenizer={path!r} is not allowed: {file} is {size} bytes, more than the "
+            f"{MAX_TOKENIZER_BYTES} a tokenizer.json holds (published ones are a few MB)"
+        )
     try:
         from tokenizers import Tokenizer
     except ImportError:
         raise ConfigError("data.tokenizer needs tokenizers: pip install -e '.[hf]'") from None
-    return TextTokenizer(Tokenizer.from_file(str(file)), eos_token, source=str(file))
+    try:
+        inner = Tokenizer.from_file(str(file))
+    except Exception as err:  # tokenizers raises a bare Exception for any parse error
+        why = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        raise ConfigError(
+            f"data.tokenizer={path!r} is not allowed: {file} is not a tokenizer.json that "
+            f"tokenizers reads ({why})"
+        ) from None
+    return TextTokenizer(inner, eos_token, source=str(file))
 
 
 def tokenizer_file(path: str) -> Path:
@@ -118,10 +133,21 @@ def _bytes_to_unicode() -> dict[int, str]:
     }
 
 
-def save_for_transformers(tokenizer: TextTokenizer, directory: Path) -> None:
-    """``tokenizer.json`` and ``tokenizer_config.json`` that ``AutoTokenizer`` reads."""
+def save_for_transformers(
+    tokenizer: TextTokenizer, directory: Path, model_max_length: int | None = None
+) -> None:
+    """``tokenizer.json`` and ``tokenizer_config.json`` that ``AutoTokenizer`` reads:
+    eos (also bos and pad: one end-of-document token) and the model's context length
+    (transformers' default is a 1e30 sentinel)."""
     from transformers import PreTrainedTokenizerFast
 
     eos = tokenizer.as_tokenizers().id_to_token(tokenizer.eos_id)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer.as_tokenizers(), eos_token=eos)
+    limit = {"model_max_length": model_max_length} if model_max_length else {}
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer.as_tokenizers(),
+        eos_token=eos,
+        bos_token=eos,
+        pad_token=eos,
+        **limit,
+    )
     fast.save_pretrained(str(directory))

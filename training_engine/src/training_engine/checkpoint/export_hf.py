@@ -21,6 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 from ..config import ConfigError, instantiate
+from ..fits import model_positions
 from ..inference import trusted_config
 from ..tokenizer import load_tokenizer, save_for_transformers
 from . import format as fmt
@@ -53,17 +54,36 @@ def export_hf(ckpt: Path, out: Path, *, trusted: Any = (), max_shard_size: str =
         state = ties.restore(state, tied)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    data = config.get("data") or {}
+    tokenizer = None
+    if "tokenizer" in data:  # data=text: its tokenizer file, or bytes
+        tokenizer = load_tokenizer(data["tokenizer"], data.get("eos_token", "<|endoftext|>"))
+        with_special_ids(model, tokenizer.eos_id)
     try:
         model.save_pretrained(tmp, state_dict=state, max_shard_size=max_shard_size)
-        data = config.get("data") or {}
-        if "tokenizer" in data:  # data=text: its tokenizer file, or bytes
-            tokenizer = load_tokenizer(data["tokenizer"], data.get("eos_token", "<|endoftext|>"))
-            save_for_transformers(tokenizer, tmp)
+        if tokenizer is not None:
+            context = model_positions(model) or data.get("seq_len")
+            save_for_transformers(tokenizer, tmp, model_max_length=context)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def with_special_ids(model: Any, eos_id: int) -> None:
+    """The run's end-of-document id as the exported model's eos, and as its bos and pad
+    where the config has none (GPT-2's convention: one ``<|endoftext|>``), in
+    ``config.json`` and ``generation_config.json``: transformers' ``generate`` then
+    stops where generate.py does."""
+    targets = [model.config]
+    if getattr(model, "generation_config", None) is not None:
+        targets.append(model.generation_config)
+    for target in targets:
+        target.eos_token_id = eos_id
+        for key in ("bos_token_id", "pad_token_id"):
+            if getattr(target, key, None) is None:
+                setattr(target, key, eos_id)
 
 
 def _weights(ckpt: Path) -> dict[str, torch.Tensor]:
