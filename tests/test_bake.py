@@ -177,6 +177,8 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "tests/test_configs.py",
         "tests/test_recipe.py",
         "tests/test_images.py",
+        "tests/test_text_formats.py",
+        "tests/test_moe.py",
     }
     if ctx["license"] != "Proprietary":
         files.add("LICENSE")

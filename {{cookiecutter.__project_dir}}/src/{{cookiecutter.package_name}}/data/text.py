@@ -2,8 +2,13 @@
 files and cached, then read window by window like ``data=token_file`` (docs/text.md).
 
 - Input: any text files (each file one document, or each non-empty line one:
-  ``document``), JSON lines (``.jsonl``/``.json``) and parquet (``.parquet``) by their
-  ``column``.
+  ``document``), JSON lines (``.jsonl``/``.json``, or a ``.json`` array) and parquet
+  (``.parquet``) by their ``column``; each compressed or not (``.gz``, ``.bz2``,
+  ``.xz``, ``.zst``: read through, the name before it saying the format). Refused
+  before any work, naming the file: a binary (NUL bytes), text that is not UTF-8
+  beyond ``MAX_INVALID`` of its bytes, compressed bytes under a plain name, a JSON
+  line that does not parse, a column no row has. ``source.json`` says per file what
+  was read and how.
 - A tokenizer: a ``tokenizer.json`` or a Hugging Face tokenizer directory; bytes when
   none is given (``tokenizer: null``: 257 ids, no package needed).
 - Documents are joined with the end-of-document token and split into train and
@@ -18,22 +23,41 @@ files and cached, then read window by window like ``data=token_file`` (docs/text
 
 from __future__ import annotations
 
+import bz2
 import glob
+import gzip
 import hashlib
+import io
 import json
+import logging
+import lzma
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..contract import DataLoaders, load_tokenizer, locked, require
+from ..contract import ConfigError, DataLoaders, load_tokenizer, locked, require
 from .token_file import token_file, write_tokens
 
+log = logging.getLogger(__name__)
+
 DOCUMENTS = ("file", "line")
-CACHE_FORMAT = 1  # part of the key: a change to how files are written makes new ones
+CACHE_FORMAT = 2  # part of the key: a change to how files are read or written makes new ones
+# Bytes that are not valid UTF-8 become U+FFFD up to this share of a file (a stray
+# byte in a large corpus); beyond it the file is not UTF-8 text and is refused.
+MAX_INVALID = 0.001
+COMPRESSED = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "zstd"}
+MAGIC = {  # how each compressed format's bytes begin
+    "gzip": lambda head: head.startswith(b"\x1f\x8b\x08"),
+    "bzip2": lambda head: head[:3] == b"BZh" and head[3:4].isdigit() and head[4:10] == b"1AY&SY",
+    "xz": lambda head: head.startswith(b"\xfd7zXZ\x00"),
+    "zstd": lambda head: head.startswith(b"\x28\xb5\x2f\xfd"),
+}
+_INVALID = re.compile("[\udc80-\udcff]")  # the bytes surrogateescape kept aside
 
 
 def text(
@@ -120,23 +144,164 @@ def cache_key(paths: list[Path], tokenizer: str, *options: Any) -> str:
 
 
 def read_documents(path: Path, document: str, column: str) -> list[str]:
-    if path.suffix == ".parquet":
+    return read_file(path, document, column)[0]
+
+
+def read_file(path: Path, document: str, column: str) -> tuple[list[str], dict[str, Any]]:
+    """The documents of one file and what was read (for source.json), or a
+    ConfigError naming the file and what is wrong with it."""
+    compression = COMPRESSED.get(path.suffix.lower())
+    kind = (path.with_suffix("") if compression else path).suffix.lower()
+    raw = _read_bytes(path, compression)
+    report: dict[str, Any] = {
+        "path": str(path),
+        "compression": compression or "none",
+        "bytes": len(raw),
+    }
+    if kind == ".parquet":
         import pyarrow.parquet as pq  # the hf extra
 
-        texts = [str(t) for t in pq.read_table(path, columns=[column]).column(column).to_pylist()]
-    elif path.suffix in (".jsonl", ".json"):
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
-        texts = [str(row[column]) for row in rows if isinstance(row, dict) and column in row]
+        table = pq.read_table(io.BytesIO(raw))
+        if column not in table.column_names:
+            raise _not_text(
+                path, f"it has no column {column!r} (data.column); it has {table.column_names}"
+            )
+        texts = [str(t) for t in table.column(column).to_pylist() if t is not None]
+        report |= {"format": "parquet", "rows": table.num_rows, "invalid_bytes": 0}
     else:
-        texts = [path.read_text(encoding="utf-8", errors="replace")]
+        text, invalid = _decode(path, raw)
+        if kind in (".jsonl", ".json"):
+            rows = _json_rows(path, text)
+            texts = [
+                str(r[column]) for r in rows if isinstance(r, dict) and r.get(column) is not None
+            ]
+            if rows and not texts:
+                keys = sorted({k for r in rows if isinstance(r, dict) for k in r})[:10]
+                raise _not_text(
+                    path, f"no row has the column {column!r} (data.column); its keys: {keys}"
+                )
+            report |= {
+                "format": "json",
+                "rows": len(rows),
+                "rows_without_column": len(rows) - len(texts),
+            }
+        else:
+            texts = [text]
+            report["format"] = "text"
+        report["invalid_bytes"] = invalid
     if document == "line":
-        return [line for t in texts for line in t.splitlines() if line.strip()]
-    return [t for t in texts if t]
+        texts = [line for t in texts for line in t.splitlines() if line.strip()]
+    else:
+        texts = [t for t in texts if t]
+    report |= {"documents": len(texts), "characters": sum(map(len, texts))}
+    return texts, report
+
+
+def _read_bytes(path: Path, compression: str | None) -> bytes:
+    """The file's bytes, decompressed as its name says; compressed bytes under a
+    plain name are refused (they would train as noise)."""
+    with open(path, "rb") as f:
+        head = f.read(10)
+    found = next((name for name, looks in MAGIC.items() if looks(head)), None)
+    if found and found != compression:
+        suffix = next(k for k, v in COMPRESSED.items() if v == found)
+        raise _not_text(
+            path,
+            f"its bytes are {found}-compressed, but its name does not say so: name it "
+            f"{path.name}{suffix}",
+        )
+    if compression is None:
+        return path.read_bytes()
+    decompress = _decompressor(path, compression)
+    try:
+        return decompress(path.read_bytes())
+    except (OSError, EOFError, lzma.LZMAError, ValueError) as err:  # zstandard's: ValueError
+        raise _not_text(path, f"it does not decompress as {compression} ({err})") from None
+
+
+def _decompressor(path: Path, compression: str) -> Any:
+    if compression == "zstd":
+        try:
+            import zstandard
+        except ImportError:
+            raise ConfigError(
+                f"data.files: {path} is zstd-compressed; reading it needs zstandard: "
+                "pip install zstandard (the hf extra has it)"
+            ) from None
+        return lambda data: zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)).read()
+    return {"gzip": gzip.decompress, "bzip2": bz2.decompress, "xz": lzma.decompress}[compression]
+
+
+def _decode(path: Path, raw: bytes) -> tuple[str, int]:
+    """UTF-8 text and how many of its bytes were not valid UTF-8 (then U+FFFD)."""
+    if b"\x00" in raw:
+        at = raw.index(b"\x00")
+        raise _not_text(path, f"it holds NUL bytes (the first at byte {at}): a binary, not text")
+    text = raw.decode("utf-8", errors="surrogateescape")
+    invalid = len(_INVALID.findall(text))
+    if invalid > MAX_INVALID * max(1, len(raw)):
+        raise _not_text(
+            path,
+            f"{invalid} of its {len(raw)} bytes ({invalid / len(raw):.1%}) are not valid UTF-8 "
+            f"(at most {MAX_INVALID:.1%} are read as U+FFFD); convert it, e.g. "
+            "iconv -f latin1 -t utf-8",
+        )
+    return (_INVALID.sub("\ufffd", text) if invalid else text), invalid
+
+
+def _json_rows(path: Path, text: str) -> list[Any]:
+    if text.lstrip().startswith("["):  # one JSON array
+        try:
+            rows = json.loads(text)
+        except ValueError as err:
+            raise _not_text(path, f"it is not JSON ({err})") from None
+        return rows if isinstance(rows, list) else [rows]
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except ValueError as err:
+                raise _not_text(path, f"line {number} is not JSON ({err})") from None
+    return rows
+
+
+def _not_text(path: Path, why: str) -> ConfigError:
+    return ConfigError(f"data.files: {path} cannot be read as text: {why}")
+
+
+def check_round_trip(codec: Any, documents: list[str], sample: int = 200) -> float:
+    """The share of (up to ``sample``, spread over the corpus) documents that the
+    tokenizer does not give back unchanged; a warning when any: a byte-level BPE
+    trained without the byte alphabet, or a normalising one, loses characters."""
+    if not documents:
+        return 0.0
+    step = max(1, len(documents) // sample)
+    picked = documents[::step][:sample]
+    ids = codec.encode_batch(picked)
+    lost = [d for d, i in zip(picked, ids, strict=True) if codec.decode(i) != d]
+    share = len(lost) / len(picked)
+    if lost:
+        first = next(
+            (c for c in lost[0] if c not in codec.decode(codec.encode_batch([c])[0])), None
+        )
+        log.warning(
+            f"data.tokenizer: {share:.0%} of {len(picked)} documents sampled do not come back "
+            f"unchanged from encode then decode (e.g. {first!r}): the tokenizer loses "
+            "characters (a byte-level BPE needs initial_alphabet=ByteLevel.alphabet(); "
+            "docs/text.md)"
+        )
+    return share
 
 
 def _tokenize_into(folder, paths, codec, document, column, val_fraction, split_seed) -> None:
-    documents = [d for path in paths for d in read_documents(path, document, column)]
+    documents, reports = [], []
+    for path in paths:
+        texts, report = read_file(path, document, column)
+        documents.extend(texts)
+        reports.append(report)
     require("data.files", [str(p) for p in paths], bool(documents), "files holding some text")
+    check_round_trip(codec, documents)
     ids = codec.encode_batch(documents)
     order = list(range(len(ids)))
     random.Random(split_seed).shuffle(order)
@@ -160,7 +325,7 @@ def _tokenize_into(folder, paths, codec, document, column, val_fraction, split_s
     (tmp / "source.json").write_text(
         json.dumps(
             {
-                "files": [str(p) for p in paths],
+                "files": reports,  # per file: how it was read, documents, bytes
                 "documents": {"train": len(train_docs), "val": len(val_docs)},
                 "tokens": {"train": len(train), "val": len(val)},
                 "tokenizer": codec.source or "bytes",

@@ -19,6 +19,12 @@ class Classification(TaskDefaults):
     # the loop logs (train/loss and loss's logs).
     metrics = ("val/loss", "val/acc")
     top_k = 5  # predict.py's top_k column: the k most probable classes
+    # A model's auxiliary loss (an MoE router's load balancing) is added with this
+    # weight; None: the model config's router_aux_loss_coef (transformers), else 1.
+    aux_loss_coef: float | None = None
+
+    def __init__(self, aux_loss_coef: float | None = None, top_k: int = 5) -> None:
+        self.aux_loss_coef, self.top_k = aux_loss_coef, top_k
 
     def inputs(self, *, batch: Any) -> Any:
         """What the model is called with."""
@@ -47,9 +53,24 @@ class Classification(TaskDefaults):
         """The objective of one micro-batch, and what to log beside it: the loop averages
         each log over its log window as ``train/<name>``, ``evaluate`` over the
         validation set as ``val/<name>``. Return the loss alone when there is nothing."""
-        out, y = self.logits(model(self.inputs(batch=batch))), self.targets(batch=batch)
-        accuracy = (out.detach().argmax(dim=-1) == y).float().mean()
-        return cross_entropy(out, y), {"acc": accuracy}
+        output, y = self.call_model(model, batch), self.targets(batch=batch)
+        out = self.logits(output)
+        ce = cross_entropy(out, y)
+        logs = {"acc": (out.detach().argmax(dim=-1) == y).float().mean()}
+        aux = auxiliary_loss(output)
+        if aux is None:
+            return ce, logs
+        # an MoE: the router's loss joins the objective; both parts are logged
+        coef = aux_coefficient(model, self.aux_loss_coef)
+        return ce + coef * aux, {**logs, "ce": ce.detach(), "aux_loss": aux.detach()}
+
+    def call_model(self, model: torch.nn.Module, batch: Any) -> Any:
+        """The model called on the batch's inputs; a transformers MoE is asked for its
+        router logits, without which it computes no load-balancing loss."""
+        config = getattr(getattr(model, "module", model), "config", None)
+        if getattr(config, "output_router_logits", None) is not None:
+            return model(self.inputs(batch=batch), output_router_logits=True)
+        return model(self.inputs(batch=batch))
 
     @torch.no_grad()
     def predict(self, *, model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
@@ -63,6 +84,21 @@ class Classification(TaskDefaults):
             "top_k": top,
             "target": self.targets(batch=batch),
         }
+
+
+def auxiliary_loss(output: Any) -> torch.Tensor | None:
+    """A model's auxiliary loss: its output's ``aux_loss`` (transformers' MoE outputs,
+    or a model of yours returning an object or a dict with one); None without."""
+    aux = output.get("aux_loss") if isinstance(output, dict) else getattr(output, "aux_loss", None)
+    return aux if isinstance(aux, torch.Tensor) else None
+
+
+def aux_coefficient(model: torch.nn.Module, given: float | None) -> float:
+    if given is not None:
+        return float(given)
+    config = getattr(getattr(model, "module", model), "config", None)
+    coef = getattr(config, "router_aux_loss_coef", None)
+    return float(coef) if isinstance(coef, int | float) else 1.0
 
 
 def cross_entropy(out: torch.Tensor, y: torch.Tensor, **kwargs: Any) -> torch.Tensor:

@@ -23,8 +23,10 @@ class LanguageModel(Classification):
 
     def evaluate(self, *, model: torch.nn.Module, loader: Any, accelerator: Any) -> dict:
         metrics = super().evaluate(model=model, loader=loader, accelerator=accelerator)
-        if "val/loss" in metrics:
-            metrics["val/ppl"] = math.exp(min(metrics["val/loss"], 700.0))
+        # perplexity of the next-token loss alone (an MoE's val/loss adds its router's)
+        ce = metrics.get("val/ce", metrics.get("val/loss"))
+        if ce is not None:
+            metrics["val/ppl"] = math.exp(min(ce, 700.0))
         return metrics
 
     @torch.no_grad()
