@@ -1,11 +1,14 @@
 """Build the Accelerator from the config: parallel mode, precision,
 accumulation, trackers; and refuse the silent fallbacks accelerate allows."""
 
+import contextlib
 import hashlib
 import logging
 import os
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -226,7 +229,46 @@ def _deepspeed_plugin(cfg: DictConfig) -> DeepSpeedPlugin:
         # ZeRO-3: the engine gathers the full weights (layer by layer, onto the main
         # process) for model.safetensors and every checkpoint's (full_state.model_state)
         zero3_save_16bit_model=True,
+        # built whole from the seed, then partitioned: the initial model of every mode
+        zero3_init_flag=bool(p.get("zero3_init", False)),
     )
+
+
+def tell_deepspeed_the_micro_batch(accelerator: Accelerator, loader: Any) -> None:
+    """DeepSpeed's config needs the per-process micro-batch; accelerate reads it from
+    each loader's ``batch_size``, which is None for a loader built with a batch sampler
+    (per_sample's exact loaders, a data function's own) and then refuses. The training
+    loader's batch sampler names it (1 where batches vary: DeepSpeed only counts it)."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None or not plugin.is_auto("train_micro_batch_size_per_gpu"):
+        return
+    size = getattr(loader, "batch_size", None) or getattr(loader.batch_sampler, "batch_size", None)
+    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = size or 1
+
+
+@contextlib.contextmanager
+def built_whole(accelerator: Accelerator) -> Iterator[None]:
+    """The model built in full on each process (from the seed, as every other mode
+    does), ZeRO-3 partitioning it afterwards (parallel.zero3_init=false). accelerate
+    registers its DeepSpeed config with transformers whatever its zero3_init_flag, and
+    a transformers model built while it is registered is built partitioned
+    (deepspeed.zero.Init) and initialised from other draws; so it is unregistered for
+    the build and registered again after."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    zero3 = plugin is not None and plugin.hf_ds_config.is_zero3()
+    if not zero3 or plugin.zero3_init_flag:
+        yield
+        return
+    try:
+        from transformers.integrations import unset_hf_deepspeed_config
+    except ImportError:  # no transformers: nothing registered
+        yield
+        return
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
 
 
 def _no_shared_memory_all_reduce() -> None:

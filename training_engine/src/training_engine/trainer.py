@@ -19,7 +19,12 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from .accel import build_accelerator, weights_fingerprint
+from .accel import (
+    build_accelerator,
+    built_whole,
+    tell_deepspeed_the_micro_batch,
+    weights_fingerprint,
+)
 from .agreement import StepAgreement
 from .callbacks import Callbacks, RunContext, build_callbacks, stateful
 from .checkpoint import CheckpointManager, plain_model, plan_resume, save_final_weights
@@ -115,7 +120,7 @@ class Trainer:
         self.loaders = self.debug.loaders(instantiate(cfg.data, what="data"))
         # each sample's random draws (augmentation) a function of (seed, epoch, index)
         self.loaders = exact_loaders(self.loaders, cfg.seed)
-        with same_on_every_rank(cfg.seed):
+        with same_on_every_rank(cfg.seed), built_whole(accelerator):  # ZeRO-3 too
             model = instantiate(cfg.model, what="model")
             # frozen_models: models the step calls but never trains (e.g. a teacher)
             frozen = build_frozen_models(cfg.frozen_models, device=accelerator.device)
@@ -138,6 +143,7 @@ class Trainer:
             accelerator.mixed_precision,  # trainer.mixed_precision with auto resolved
             cfg.trainer.peak_tflops,
         )
+        tell_deepspeed_the_micro_batch(accelerator, self.loaders.train)  # else: no-op
         model, optimizer, self.train_loader, self.val_loader = accelerator.prepare(
             model, optimizer, self.loaders.train, self.loaders.val
         )
