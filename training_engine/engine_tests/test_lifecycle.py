@@ -205,6 +205,7 @@ def test_init_from_strict_and_not_strict(trained, tmp_path):
         "model.num_classes=12",
         f"checkpoint.init_from={trained.run_dir}",
         "checkpoint.init_from_strict=false",
+        "trainer.eval_at_start=true",  # where the fine-tune starts, logged at step 0
     )
     report = run.summary["init_from"]
     assert report["missing"] == [] and report["unexpected"] == []
@@ -220,6 +221,7 @@ def test_init_from_strict_and_not_strict(trained, tmp_path):
     # A new run: from step 0 (the source has 30 steps), a fresh optimizer.
     assert run.summary["step"] == 10 and run.summary["resumed_from"] is None
     assert sorted(recorded(run.run_dir, "train/loss")) == [5, 10]
+    assert sorted(recorded(run.run_dir, "val/loss")) == [0, 10]
     optimizer = torch.load(ckpt_dir(run.run_dir, 10) / "optimizer.pt", weights_only=True)
     assert {float(s["step"]) for s in optimizer["state"].values()} == {10.0}
 

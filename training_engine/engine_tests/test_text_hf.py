@@ -155,6 +155,12 @@ BAD = {
     "glob": (["data.files=/no/such/dir/*.txt"], "data.files='/no/such/dir/*.txt' is not allowed"),
     # a binary under a text name (the engine's own interpreter): refused, named, before any work
     "binary": ([f"data.files={sys.executable}"], "holds NUL bytes"),
+    # a whole new model config given as a dict: what to write instead
+    "config dict": (
+        ["model.config={model_type:llama,hidden_size:32}"],
+        "a dict merges into model.config, and model.config has no key 'hidden_size'. "
+        "A whole new model.config: model.config=null",
+    ),
     "positions": (
         ["model.config.n_positions=32"],
         "data.seq_len=64 is not allowed with this model: it takes at most 32 positions",

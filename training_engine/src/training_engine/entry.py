@@ -91,8 +91,18 @@ def command_line_error(err: Exception, config_dir: Path, config_name: str, argv:
     key = found.group(1)
     value = next((a.split("=", 1)[1] for a in argv if a.split("=", 1)[0] == key), "")
     rest = [a for a in argv if a.split("=", 1)[0].lstrip("+~") != key and "=" in a]
+    keys = config_keys(config_dir, config_name, rest)
+    if key in keys and value.lstrip().startswith("{"):  # a dict merged into a struct
+        cause = str(err.__cause__ or "")
+        missing = re.search(r"Key '([^']+)' is not in struct", cause)
+        why = f"{key} has no key {missing.group(1)!r}" if missing else f"{key} has fixed keys"
+        return (
+            f"{key}={value} is not allowed: a dict merges into {key}, and {why}. A whole "
+            f"new {key}: {key}=null '{key}={value}' (null first, then the new one); one new "
+            f"key: +{key}.KEY=VALUE"
+        )
     message = f"{key}={value} is not a key of the config"
-    close = closest_keys(key, config_keys(config_dir, config_name, rest))
+    close = closest_keys(key, keys)
     if close:
         message += f": did you mean {' or '.join(close)}?"
     return message + f" (to add a new key on purpose: +{key}={value})"

@@ -339,6 +339,8 @@ class Trainer:
         self.debug.start()
         self.watchdog.start(self.step_count)
         self.model.train()
+        if self.cfg.trainer.get("eval_at_start", False) and self.step_count == 0:
+            self.evaluate(0)  # where a fresh run (a fine-tune) starts; logged at step 0
         for epoch in range(self.start_at.epoch, self.plan.max_epochs):
             self.epoch = epoch  # also when it ends here: the summary counts it
             if self._ended():
