@@ -218,6 +218,16 @@ def test_a_gan_under_ddp_resumes_bit_exactly_after_kill_9(tmp_path):
     state = json.loads((run_dir / "checkpoints/step_0000060/trainer_state.json").read_text())
     assert state["stateful"]["callbacks.counter"] == {"count": 3}  # 20, 40, 60: restored
 
+    # elastic 2 -> 1 with named optimizers: the finished run extended to step 80 on one
+    # process (2 micro-batches a step keep the global batch); both optimizers continue
+    one = [a for a in args if not a.startswith("parallel")] + ["parallel=none", *slow]
+    extended = run_train(run_dir, *one, "trainer.max_steps=80")
+    assert extended.summary["world_size"] == 1 and extended.summary["step"] == 80
+    assert Path(extended.summary["resumed_from"]).name == "step_0000060"
+    opt = torch.load(run_dir / "checkpoints/step_0000080/optimizer.pt", weights_only=True)
+    for name in ("optimizer", "discriminator"):  # Adam's per-parameter step: 60 + 20
+        assert {float(s["step"]) for s in opt[name]["state"].values()} == {80.0}, name
+
 
 @pytest.mark.multiprocess
 def test_two_optimizers_on_the_gpt_under_fsdp_resume_bit_exactly(tmp_path):

@@ -106,12 +106,17 @@ def test_generate_continues_a_prompt_the_same_way_twice(trained, tmp_path):
         assert result["continuation"] in proc.stdout and len(result["ids"]) >= 1
         texts.append(result["continuation"])
     assert texts[0] == texts[1]
+    # another seed, and a prompt longer than the model's 64 positions: said, not silent
+    long_prompt = "import json " * 8  # 96 bytes, 96 byte ids
     other = run_script(
-        "generate.py", tmp_path / "c", f"ckpt={trained.run_dir}", 'prompt="import json\\ndef "',
+        "generate.py", tmp_path / "c", f"ckpt={trained.run_dir}", f'prompt="{long_prompt}"',
         "max_new_tokens=24", "temperature=0.8", "top_k=20", "seed=7",
     )  # fmt: skip
     assert json.loads((tmp_path / "c" / "generation.json").read_text())["seed"] == 7
     assert other.returncode == 0
+    said = other.stdout + other.stderr
+    assert "the prompt is 96 tokens and the model takes 64 positions" in said
+    assert "cropped to its last 64 tokens (32 dropped)" in said
 
 
 def test_text_is_tokenized_once_and_cached(trained, tmp_path):
