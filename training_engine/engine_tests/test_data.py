@@ -486,6 +486,7 @@ def test_a_stream_resumed_after_kill_9_trains_on_the_same_samples(processes, tmp
     monkeypatch.setenv("SAMPLE_LOG", str(tmp_path / "second"))
     resumed = run_train(run, *args)
     assert resumed.summary["resumed_from"] == str(ckpt_dir(run, 20))
+    assert "not made a function" not in resumed.output  # TokenStream: draws_at_random = False
     assert sorted(seen(tmp_path / "first", steps=20) + seen(tmp_path / "second")) == expected
     if processes == 1:  # and bit-exact: the same weights as without the kill
         monkeypatch.setenv("SAMPLE_LOG", str(tmp_path / "ref"))

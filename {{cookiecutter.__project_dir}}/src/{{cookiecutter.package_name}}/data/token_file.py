@@ -96,6 +96,10 @@ class TokenStream(IterableDataset):
     every process gets its slice of each global batch); loader workers share it here,
     batch by batch in turn, so the order is the same with any ``num_workers``."""
 
+    # Its samples follow from their position and (seed, epoch) alone: nothing for the
+    # engine's per-sample seeding to make exact, and no warning (per_sample.py).
+    draws_at_random = False
+
     def __init__(self, path: str, seq_len: int, dtype: str, seed: int, batch_size: int) -> None:
         self.windows = TokenWindows(path, seq_len, dtype, "sequential", None, seed)
         self.seed, self.batch_size = seed, batch_size
