@@ -351,7 +351,20 @@ def _worker(
         log.error(str(err))
         if err.exit_code == 1:  # a failure: its message is the launcher's report of it
             ErrorHandler().record_exception(err)
+        close_process_group()
         sys.exit(err.exit_code)
+
+
+def close_process_group() -> None:
+    """End this process's process group before a known stop exits. The exit freezes
+    what is alive (entry.skip_the_final_collection), so a group left open is torn down
+    by C++ exit handlers instead, with its threads still joinable: on the rank that
+    hosts the TCPStore that aborted the process ("terminate called without an active
+    exception", SIGABRT 134 instead of exit 2), once in a CI replay."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _die_with_parent() -> None:

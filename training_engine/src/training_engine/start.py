@@ -18,7 +18,7 @@ from .checkpoint import CheckpointError
 from .claim import claim
 from .config import ConfigError, check_config, resolve_config
 from .ema import metric_names
-from .launch import LaunchError, adopt_pet_env, run, runs_alone, spans_nodes
+from .launch import LaunchError, adopt_pet_env, close_process_group, run, runs_alone, spans_nodes
 from .nonfinite import NonFiniteLoss
 from .preemption import TrainingInterrupted
 from .preflight import PreflightFailed
@@ -83,6 +83,7 @@ def launch_training(raw: DictConfig, train: Callable[..., Any]) -> float | None:
             raise
         if err.exit_code == 2:  # bad input: nothing left on disk
             made_by_this_launch(hydra_run_dir_as_written(), remove=True)
+        close_process_group()  # under torchrun this process is a rank
         sys.exit(err.exit_code)
     except TrialPruned as err:  # an Optuna trial stopped by its pruner (exit code 4)
         log.info(str(err))
