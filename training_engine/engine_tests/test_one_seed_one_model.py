@@ -1,6 +1,6 @@
 """One seed, one initial model, in every parallel mode: one step at a learning rate of
 1e-20 (an update below fp32's resolution for every weight but those initialised to 0)
-under 1 process, DDP, FSDP and DeepSpeed ZeRO-2 and ZeRO-3, for model=gpt and for a
+under 1 process, DDP, FSDP and DeepSpeed ZeRO-1, ZeRO-2 and ZeRO-3, for model=gpt and for a
 transformers GPT-2 built with from_config (tied embeddings), compared with the
 1-process weights. ZeRO-3 builds the model whole from the seed and then partitions it
 (``parallel.zero3_init: false``); with deepspeed.zero.Init transformers initialised
@@ -40,6 +40,7 @@ TWO = ["parallel.cpu_processes=2", "parallel.num_processes=2"]
 MODES = {
     "ddp": ["parallel=ddp", *TWO],
     "fsdp": ["parallel=fsdp", *TWO],
+    "zero1": ["parallel=deepspeed", *TWO, "parallel.zero_stage=1"],
     "zero2": ["parallel=deepspeed", *TWO, "parallel.zero_stage=2"],
     "zero3": ["parallel=deepspeed", *TWO, "parallel.zero_stage=3"],
 }
