@@ -16,6 +16,7 @@ It holds ``.hydra/``, the resolved ``config.yaml`` and ``config.json``,
 
 import contextlib
 import hashlib
+import json
 import os
 import socket
 import time
@@ -28,13 +29,17 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from . import moments
 from .config import ConfigError
-from .files import write_atomic, write_json_atomic
+from .files import fsync_dir, temporary, write_atomic, write_durable
 from .launch import global_rank, under_launcher
 
 
 class RunDirError(ConfigError):
     """The run directory belongs to another run, or is in use (exit code 2)."""
+
+
+SHARED_CHECK = ".shared-check-"  # check_shared_storage's marker (a killed launch's: claim.py)
 
 
 # --- names -----------------------------------------------------------------------------
@@ -203,7 +208,7 @@ def check_shared_storage(run_dir: Path, accelerator: Any) -> None:
 
     token = [os.urandom(8).hex() if accelerator.is_main_process else None]
     broadcast_object_list(token)
-    marker = run_dir / f".shared-check-{token[0]}"
+    marker = run_dir / f"{SHARED_CHECK}{token[0]}"
     if accelerator.is_main_process:
         marker.write_text(socket.gethostname())
     accelerator.wait_for_everyone()
@@ -225,4 +230,8 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
     """``summary.json``, atomically, by the main process: a finished run's commit
     record, written after every other file of the end (claim.py checks them)."""
     if PartialState().is_main_process:
-        write_json_atomic(run_dir / "summary.json", summary)
+        path = Path(run_dir) / "summary.json"
+        write_durable(temporary(path), json.dumps(summary, indent=2) + "\n")
+        moments.reached("summary")  # written, not yet in place: the run is not finished
+        os.replace(temporary(path), path)
+        fsync_dir(path.parent)  # the commit: durable before the process reports done

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from . import moments
 from .accel import (
     build_accelerator,
     built_whole,
@@ -58,7 +59,7 @@ from .state import TrainState
 from .step import Step
 from .task import build_task
 from .throughput import Throughput
-from .tracking import log_final_model, start_trackers, watch_model
+from .tracking import finish_trackers, log_final_model, start_trackers, watch_model
 from .trust import warn_what_evaluation_will_refuse
 from .watchdog import Watchdog
 
@@ -158,7 +159,8 @@ class Trainer:
             run_dir=run_dir,
             accelerator=accelerator,
             configured=cfg.trainer.grad_accum_steps,
-            model=model,  # a checkpoint whose weights do not fit it is skipped, named
+            model=model,  # a checkpoint whose weights or optimizer state do not fit
+            optimizer=optimizer,  # them is skipped, named (checkpoint/judge.py)
         )
         self.grad_accum = self.resume.grad_accum
         # The loop's length and cadence, once: the loop runs it, preflight's ETA asks it.
@@ -228,6 +230,7 @@ class Trainer:
             frozen=tuple(frozen),
         )
         self.clock = RunClock()  # training time of the whole run, across resumes
+        self.window = WindowMeans(accelerator)  # train/loss and the task's logs, summed
         self.state = TrainState(
             model=self.model,
             optimizer=self.optimizer,
@@ -240,6 +243,7 @@ class Trainer:
             stateful={
                 "metrics": self.book,
                 "clock": self.clock,
+                "log_window": self.window,  # a window a checkpoint cuts: its sums so far
                 "early_stopping": self.stopper,
                 **self.ema.stateful,
                 **stateful(self.callbacks),  # callbacks.<name>: one with state_dict()
@@ -288,7 +292,6 @@ class Trainer:
             self.done = True
             return
         self.progress = Progress(self.total_steps, initial_step=self.step_count, clock=self.clock)
-        self.window = WindowMeans(accelerator)  # train/loss and the task's logs, summed
         self.data = None  # the latest batch (its size counts the summary's samples)
         self.stop = False  # the ranks agreed that a stop signal came (agreement.at_step)
         # Hang detection: each phase of the loop (first step, step, eval, save) has a
@@ -368,6 +371,7 @@ class Trainer:
         NaN/inf loss stops here, naming its step), evaluation, checkpoints, pruning."""
         cfg, accelerator, book = self.cfg, self.accelerator, self.book
         step = self.step_count = self.state.advance(self.epoch, self._batch)
+        moments.reached("first_step" if step == self.start_at.step + 1 else "step", step)
         self.run.step, self.run.epoch = step, self.epoch
         self.events.on_step_end(self.run)
 
@@ -414,16 +418,18 @@ class Trainer:
         self.book.update(metrics, step, require_monitor=True)
         accelerator.log(metrics, step=step)
         self.progress.report(step, metrics)
+        moments.reached("eval", step)
         self.events.on_eval_end(self.run, metrics)  # early stopping, then the callbacks
         return metrics
 
     # --- the end ---------------------------------------------------------------------
 
     def finish(self) -> float | None:
-        """The last checkpoint, then (in this order) the final weights, the tracker's
-        copy and summary.json LAST (it records the weights' size and checksum): a kill
-        before it leaves no finished run, and the rerun completes the end from the last
-        checkpoint (docs/run-dir.md). Returns the best value of trainer.monitor."""
+        """The end of a run, committed like a save, through moments.LIFE's end: the
+        last checkpoint, the final weights, the trackers' last writes and finish, then
+        summary.json LAST (it records the weights' size and checksum): a kill before it
+        leaves no finished run, and the rerun completes the end from the last checkpoint
+        (docs/run-dir.md). Returns the best value of trainer.monitor."""
         accelerator, book, run_dir = self.accelerator, self.book, self.run_dir
         step = self.step_count
         self.debug.finish()
@@ -433,6 +439,7 @@ class Trainer:
             saved = self.ckpt.finish(metrics=book.last, stop=self.stop)  # the last one
         if saved is not None:
             self.events.on_save(self.run, saved)
+        moments.reached("final_checkpoint", step)
         self.watchdog.close()
         self.signals.finish(stopped=self.stop, saved=self.ckpt.last_saved)  # a stop: exit
         self.events.on_train_end(self.run)
@@ -465,6 +472,8 @@ class Trainer:
         log.info(f"final weights fingerprint {weights_fingerprint(plain)}")
         weights = save_final_weights(accelerator, self.model, run_dir)  # model.safetensors
         log_final_model(accelerator, self.cfg, run_dir, self.loaders.val, task=self.task)
+        moments.reached("trackers", step)
+        finish_trackers(accelerator)  # flushed and closed before the run says finished
         write_summary(run_dir, {**summary, "final_weights": weights})  # the commit record
         log.info(
             f"done: {step} steps in {wall:.1f}s | "
@@ -477,6 +486,7 @@ class Trainer:
             )
             + f" | summary: {run_dir / 'summary.json'}"
         )
+        moments.reached("exit", step)
         accelerator.wait_for_everyone()  # gloo can abort at exit without this barrier
-        accelerator.end_training()
+        accelerator.end_training()  # the process group (the trackers finished above)
         return book.best_value

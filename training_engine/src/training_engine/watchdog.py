@@ -47,6 +47,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 EXIT_HANG = 5  # entry.py: a rank gave up waiting (a hang); the launcher may restart
+# The phases a rank is in, each with its budget (among moments.LIFE: the fault matrix's)
+PHASES = ("first_step", "step", "eval", "save")
 HANGS = "hangs"
 # One step time that is k x p95 of the others is a hang, not jitter; and a save or an
 # evaluation three times as long as the longest seen so far.
@@ -161,6 +163,8 @@ class Watchdog:
     def phase(self, name: str) -> Iterator[None]:
         """An evaluation or a save (``name``: eval | save) with its own budget;
         the step clock restarts after it."""
+        if name not in self.floors:
+            raise ValueError(f"{name!r} is not a phase with its own budget: {PHASES[2:]}")
         if not self.enabled:
             yield
             return
