@@ -461,14 +461,10 @@ def test_disk_errors_fail_clearly_and_keep_earlier_checkpoints(
     """A full (or read-only) disk: one clear message (a full one names the file system,
     what it has free and what a checkpoint takes), nothing half-written left; once
     there is room again, the same command resumes and ends bit-exact."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root to mount a small tmpfs")
     run = tmp_path / "run"
     root = run / "checkpoints"
     root.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(root)])
-    if mounted.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
+    mount_tmpfs(root, options)
     try:
         failed = run_train(run, *ARGS, "checkpoint.save_best.enabled=false", check=False)
         assert failed.proc.returncode == 1, failed.output[-2000:]
@@ -490,6 +486,44 @@ def test_disk_errors_fail_clearly_and_keep_earlier_checkpoints(
             assert fingerprints(run) == fingerprints(reference(0))
     finally:
         subprocess.run(["umount", str(root)], check=True)
+
+
+def test_an_end_the_disk_refuses_is_said_and_the_rerun_completes_it(tmp_path, reference):
+    """The run dir turns read-only after the final weights (paused at moments' "trackers"):
+    exit 1 with what could not be written and why, train.log's lines on stderr instead
+    (a failure that cannot write its own report still says it), no summary.json; once
+    the disk is writable again the same command completes the end, bit-exact."""
+    run = tmp_path / "run"
+    run.mkdir()
+    mount_tmpfs(run, "size=16m")
+    try:
+        args = [*ARGS, "data.num_workers=0"]
+        out = Path(f"{run}.out")
+        proc = start_train(run, *args, pause_at="trackers+8")
+        wait_until(lambda: b"CKPT_TEST_PAUSED" in out.read_bytes() or proc.poll() is not None)
+        subprocess.run(["mount", "-o", "remount,ro", str(run)], check=True)
+        assert proc.wait(timeout=120) == 1, out.read_text()[-3000:]
+        said = out.read_text()
+        assert f"could not write the end of the run in {run}" in said
+        assert "Read-only file system" in said and "Traceback" not in said
+        assert f"{run / 'train.log'} cannot be written (Read-only file system): on stderr" in said
+        assert not (run / "summary.json").exists()
+        subprocess.run(["mount", "-o", "remount,rw", str(run)], check=True)
+        rerun = run_train(run, *args)
+        assert f"resumed from {ckpt_dir(run, 80)}" in rerun.output
+        assert_same_weights(run, reference(0))
+        assert not list(run.glob(".*.tmp"))
+    finally:
+        subprocess.run(["umount", str(run)], check=True)
+
+
+def mount_tmpfs(path: Path, options: str) -> None:
+    """A small tmpfs at ``path`` (root and mount: CI runs as root)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root to mount a small tmpfs")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)])
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
 
 
 def test_nan_loss_stop_and_skip(tmp_path):

@@ -210,7 +210,7 @@ def stray(run: Path) -> list[str]:
     found = [p for p in run.rglob("*") if p.name.endswith(STRAY)]
     found += [p for p in run.iterdir() if p.name.startswith((".shared-check-", ".preflight"))]
     found += [p for p in run.iterdir() if p.name == ".attempt"]
-    found += list(run.glob("hangs/*/beat_rank*.json"))
+    found += list(run.glob("hangs/*/beat_rank*.json")) + list(run.glob("hangs/*/step_rank*"))
     found += list((run / "checkpoints").glob("*.superseded-*"))
     return [str(p.relative_to(run)) for p in found]
 

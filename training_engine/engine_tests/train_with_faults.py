@@ -4,7 +4,8 @@
 MOMENT is one of ``training_engine.moments``' (LIFE: claim, preflight, first_step, step,
 eval, save, final_checkpoint, final_weights, trackers, summary, exit; SAVE: the moments
 of a save: between_files, before_rename, before_pointers, pruning). The first time a
-process reaches it (at STEP, on RANK: the RANK variable, 0 when unset, where given)
+process of a launch's first attempt reaches it (at STEP, on RANK: the RANK variable, 0
+when unset, where given)
 it prints ``CKPT_TEST_PAUSED MOMENT step N rank R pid P`` to stderr and waits, so a
 test can signal that process exactly there: SIGKILL ends it; a stop signal (SIGTERM,
 SIGINT, SIGUSR1, SIGUSR2) ends the wait and then gets what the run does with it at
@@ -38,6 +39,8 @@ def reached(moment: str, step: int | None = None) -> None:
     name, _, at = where.partition("@")
     mine = os.environ.get("RANK", "0")
     if name != moment or (at and int(at) != step) or (rank and rank != mine):
+        return
+    if os.environ.get("TRAIN_ATTEMPT", "0") != "0":  # a restarted group goes on
         return
     _paused = True
     pid = os.getpid()

@@ -30,6 +30,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from . import moments
+from .checkpoint.format import CheckpointError
 from .config import ConfigError
 from .files import fsync_dir, temporary, write_atomic, write_durable
 from .launch import global_rank, under_launcher
@@ -235,3 +236,17 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
         moments.reached("summary")  # written, not yet in place: the run is not finished
         os.replace(temporary(path), path)
         fsync_dir(path.parent)  # the commit: durable before the process reports done
+
+
+def end_not_written(run_dir: Path, err: OSError) -> CheckpointError:
+    """The error of an end of a run (final weights, trackers, summary.json) that the
+    disk refused: which file, why, what to do. Not retried (recovery.py: exit 1)."""
+    from . import disk
+
+    why = disk.full_disk_report(run_dir, None) if disk.is_full(err) else err.strerror or err
+    return CheckpointError(
+        f"could not write the end of the run in {run_dir} ({err.filename or run_dir}): {why}. "
+        "The checkpoints are intact, and the run is not finished: free space there (or fix "
+        "its permissions), then run the same command: it completes the end from the last "
+        "checkpoint"
+    )

@@ -52,7 +52,7 @@ from .preflight import run_preflight
 from .progress import Progress, RunClock
 from .pruning import TrialReporter
 from .recovery import history, note_recovery
-from .run_dir import check_shared_storage, write_summary
+from .run_dir import check_shared_storage, end_not_written, write_summary
 from .schedules import ScheduleSteps
 from .seeding import same_on_every_rank, seed_everything
 from .state import TrainState
@@ -470,11 +470,14 @@ class Trainer:
         }
         plain = plain_model(accelerator, self.model)  # no DDP/compile wrapper
         log.info(f"final weights fingerprint {weights_fingerprint(plain)}")
-        weights = save_final_weights(accelerator, self.model, run_dir)  # model.safetensors
-        log_final_model(accelerator, self.cfg, run_dir, self.loaders.val, task=self.task)
-        moments.reached("trackers", step)
-        finish_trackers(accelerator)  # flushed and closed before the run says finished
-        write_summary(run_dir, {**summary, "final_weights": weights})  # the commit record
+        try:
+            weights = save_final_weights(accelerator, self.model, run_dir)  # model.safetensors
+            log_final_model(accelerator, self.cfg, run_dir, self.loaders.val, task=self.task)
+            moments.reached("trackers", step)
+            finish_trackers(accelerator)  # flushed and closed before the run says finished
+            write_summary(run_dir, {**summary, "final_weights": weights})  # the commit record
+        except OSError as err:  # a full or read-only disk: said, not a traceback
+            raise end_not_written(run_dir, err) from err
         log.info(
             f"done: {step} steps in {wall:.1f}s | "
             + " | ".join(f"{k} {v:.4f}" for k, v in book.last.items() if k.startswith("val/"))
