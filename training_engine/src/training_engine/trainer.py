@@ -51,12 +51,13 @@ from .preemption import StopSignals
 from .preflight import run_preflight
 from .progress import Progress, RunClock
 from .pruning import TrialReporter
-from .recovery import history, note_recovery
+from .recovery import note_recovery
 from .run_dir import check_shared_storage, end_not_written, write_summary
 from .schedules import ScheduleSteps
 from .seeding import same_on_every_rank, seed_everything
 from .state import TrainState
 from .step import Step
+from .summary import report_finished, run_summary
 from .task import build_task
 from .throughput import Throughput
 from .tracking import finish_trackers, log_final_model, start_trackers, watch_model
@@ -67,17 +68,6 @@ log = logging.getLogger("train")
 # What the loop logs itself, besides the task's own train/<log>s; the task's ``metrics``
 # are its evaluation's (trainer.monitor picks one).
 TRAIN_METRICS = ("train/loss", "train/lr", "train/grad_norm", "train/epoch")
-
-
-def report_finished(run_dir: Path, summary: dict) -> float | None:
-    """A rerun of a finished run: say so, change nothing; its best value for sweepers."""
-    best = summary["best"]
-    log.info(
-        f"{run_dir} is a finished run (step {summary['step']}, best {best['name']} "
-        f"{best['value']} at step {best['step']}): nothing to do, nothing changed. Raise "
-        "trainer.max_steps/max_epochs to continue it, or use another run_name"
-    )
-    return best["value"]
 
 
 class Trainer:
@@ -445,29 +435,7 @@ class Trainer:
         self.events.on_train_end(self.run)
 
         wall = self.clock.elapsed()
-        data = self.data
-        if data is None and step > 0:  # an end completed from the last checkpoint: no
-            data = next(iter(self.train_loader))  # batch seen here; one, to size the rates
-        samples, tokens = self.task.batch_size(batch=data) if data is not None else (0, None)
-        excluded = self.clock.excluded_s
-        summary = {
-            "step": step,
-            "epoch": self.epoch + 1,
-            "world_size": accelerator.num_processes,
-            "wall_time_s": round(wall, 3),  # the whole run's loop (every attempt)
-            "steps_per_sec": round(step / wall, 3) if wall > 0 else 0.0,  # over wall_time_s
-            # the same run's rates over training time only, and what was left out
-            "rates": self.throughput.summary(
-                step, wall, excluded, samples, tokens, self.grad_accum
-            ),
-            "metrics": book.last,
-            "best": book.best(),
-            "resumed_from": self.ckpt.resumed_from,  # null for a fresh start
-            "skipped_nan_steps": self.guard.skipped,
-            "recoveries": history(run_dir),  # in-job restarts, every launch's
-            **self.fine_tuned,  # checkpoint.init_from: the source, the keys that did not fit
-            **self.stopper.summary(),  # trainer.early_stopping: whether, when and why
-        }
+        summary = run_summary(self, step, wall)  # summary.json's, but the final weights
         plain = plain_model(accelerator, self.model)  # no DDP/compile wrapper
         log.info(f"final weights fingerprint {weights_fingerprint(plain)}")
         try:
