@@ -37,6 +37,10 @@ class RunFileHandler(logging.FileHandler):
             self.failed = True
             print(self.format(record), file=sys.stderr, flush=True)
 
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # what the full disk refused: said already
+            super().close()
+
 
 class RunLogHandler(logging.Handler):
     """A FileHandler that opens its file only when told (``open_run_logs``).

@@ -232,20 +232,25 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
     record, written after every other file of the end (claim.py checks them)."""
     if PartialState().is_main_process:
         path = Path(run_dir) / "summary.json"
-        write_durable(temporary(path), json.dumps(summary, indent=2) + "\n")
-        moments.reached("summary")  # written, not yet in place: the run is not finished
-        os.replace(temporary(path), path)
+        try:
+            write_durable(temporary(path), json.dumps(summary, indent=2) + "\n")
+            moments.reached("summary")  # written, not yet in place: the run is not finished
+            os.replace(temporary(path), path)
+        except OSError:
+            temporary(path).unlink(missing_ok=True)  # a full disk: nothing half-written left
+            raise
         fsync_dir(path.parent)  # the commit: durable before the process reports done
 
 
-def end_not_written(run_dir: Path, err: OSError) -> CheckpointError:
-    """The error of an end of a run (final weights, trackers, summary.json) that the
-    disk refused: which file, why, what to do. Not retried (recovery.py: exit 1)."""
+def end_not_written(run_dir: Path, what: str, err: OSError) -> CheckpointError:
+    """The error of an end of a run (``what``: the final weights, the trackers' files,
+    summary.json) that the disk refused: which, why, what to do. Not retried
+    (recovery.py: exit 1)."""
     from . import disk
 
     why = disk.full_disk_report(run_dir, None) if disk.is_full(err) else err.strerror or err
     return CheckpointError(
-        f"could not write the end of the run in {run_dir} ({err.filename or run_dir}): {why}. "
+        f"could not write the end of the run in {run_dir} ({err.filename or what}): {why}. "
         "The checkpoints are intact, and the run is not finished: free space there (or fix "
         "its permissions), then run the same command: it completes the end from the last "
         "checkpoint"

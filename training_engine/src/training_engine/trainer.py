@@ -438,14 +438,17 @@ class Trainer:
         summary = run_summary(self, step, wall)  # summary.json's, but the final weights
         plain = plain_model(accelerator, self.model)  # no DDP/compile wrapper
         log.info(f"final weights fingerprint {weights_fingerprint(plain)}")
+        writing = "model.safetensors"  # what a full or read-only disk refused: said
         try:
             weights = save_final_weights(accelerator, self.model, run_dir)  # model.safetensors
+            writing = "the trackers' files"
             log_final_model(accelerator, self.cfg, run_dir, self.loaders.val, task=self.task)
             moments.reached("trackers", step)
             finish_trackers(accelerator)  # flushed and closed before the run says finished
+            writing = "summary.json"
             write_summary(run_dir, {**summary, "final_weights": weights})  # the commit record
-        except OSError as err:  # a full or read-only disk: said, not a traceback
-            raise end_not_written(run_dir, err) from err
+        except OSError as err:
+            raise end_not_written(run_dir, writing, err) from err
         log.info(
             f"done: {step} steps in {wall:.1f}s | "
             + " | ".join(f"{k} {v:.4f}" for k, v in book.last.items() if k.startswith("val/"))

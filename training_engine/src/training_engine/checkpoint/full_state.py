@@ -163,9 +163,13 @@ def save_final_weights(
     if accelerator.is_main_process:  # atomic: a crash leaves the old file or none
         final = Path(run_dir) / fmt.MODEL
         data = save_safetensors(save.unshared(ties.drop_aliases(state, tied)), metadata=metadata)
-        write_durable(temporary(final), data)
-        moments.reached("final_weights")  # written, not renamed
-        os.replace(temporary(final), final)
+        try:
+            write_durable(temporary(final), data)
+            moments.reached("final_weights")  # written, not renamed
+            os.replace(temporary(final), final)
+        except OSError:
+            temporary(final).unlink(missing_ok=True)  # a full disk: nothing half-written left
+            raise
         fsync_dir(final.parent)
         entry = checksums.file_entry(data)
     accelerator.wait_for_everyone()
