@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from training_engine import moments, watchdog
 from training_engine.checkpoint import committed_checkpoints, final_weights_problem
@@ -80,8 +82,9 @@ PAUSE = {
     "summary": "summary",
     "exit": "exit",
 }
-# Reached on the main process only (the others: every rank): a worker fault kills rank 0
-MAIN_ONLY = {"claim", "save", "final_weights", "trackers", "summary"}
+# Reached on the main process only, or where only its moment matters (the summary is
+# the main process's: another rank's exit comes before it): a worker fault kills rank 0
+MAIN_ONLY = {"claim", "save", "final_weights", "trackers", "summary", "exit"}
 # The cells no chain runs, and why
 NOT_RUN = {
     **{("mlp1", "kill_worker", m): "one process: the launcher is the worker" for m in PAUSE},
@@ -99,9 +102,9 @@ CHAINS = {
     for fault in FAULTS
     if any((setup, fault, m) not in NOT_RUN for m in moments.LIFE)
 }
-# CI runs the chains of the reports and one of each fault; `-m slow` runs all
-IN_CI = {("mlp1", "kill_launcher"), ("mlp1", "term_launcher"), ("mlp2", "term_launcher")}
-IN_CI |= {("mlp2", "kill_worker"), ("gpt_fsdp", "term_launcher")}
+# CI runs three chains (about 300 CPU-seconds: one process's two, and the end under FSDP
+# with the SIGTERM of the report); `pytest -m slow` runs all nine
+IN_CI = {("mlp1", "kill_launcher"), ("mlp1", "term_launcher"), ("gpt_fsdp", "term_launcher")}
 
 
 def test_every_moment_has_a_cell():
@@ -287,5 +290,10 @@ def test_a_fault_at_every_moment_then_the_same_command_finishes_bit_exactly(
     assert verify_checkpoint(last) is None
     files = json.loads((theirs / "MANIFEST.json").read_text())["files"]
     for name in set(files) - {"trainer_state.json", "config.json"}:  # wall times; its run dir
-        assert (last / name).read_bytes() == (theirs / name).read_bytes(), name
+        if "/" in name:  # a shard: DCP's header metadata differs from save to save
+            mine, expected_shard = load_file(last / name), load_file(theirs / name)
+            assert mine.keys() == expected_shard.keys(), name
+            assert all(torch.equal(mine[k], expected_shard[k]) for k in mine), name
+        else:
+            assert (last / name).read_bytes() == (theirs / name).read_bytes(), name
     assert stray(run) == []
