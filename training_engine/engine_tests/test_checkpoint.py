@@ -2,6 +2,7 @@
 pruning, resume (auto, path, never), bit-exact continuation, integrity,
 safety, config compatibility, disk errors, NaN handling and the CLI."""
 
+import contextlib
 import hashlib
 import json
 import os
@@ -410,7 +411,7 @@ def test_malicious_pickle_is_refused_and_never_runs(reference, tmp_path):
         "size": len(data),
     }
     (ckpt / "MANIFEST.json").write_text(json.dumps(manifest))
-    assert verify_checkpoint(ckpt) is None
+    assert "optimizer.pt: refused" in verify_checkpoint(ckpt)  # judged by what it holds
 
     with pytest.raises(CheckpointError, match="refused"):
         load_tensors_safely(data, "optimizer.pt")
@@ -461,14 +462,10 @@ def test_disk_errors_fail_clearly_and_keep_earlier_checkpoints(
     """A full (or read-only) disk: one clear message (a full one names the file system,
     what it has free and what a checkpoint takes), nothing half-written left; once
     there is room again, the same command resumes and ends bit-exact."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root to mount a small tmpfs")
     run = tmp_path / "run"
     root = run / "checkpoints"
     root.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(root)])
-    if mounted.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
+    mount_tmpfs(root, options)
     try:
         failed = run_train(run, *ARGS, "checkpoint.save_best.enabled=false", check=False)
         assert failed.proc.returncode == 1, failed.output[-2000:]
@@ -490,6 +487,70 @@ def test_disk_errors_fail_clearly_and_keep_earlier_checkpoints(
             assert fingerprints(run) == fingerprints(reference(0))
     finally:
         subprocess.run(["umount", str(root)], check=True)
+
+
+def test_an_end_the_disk_refuses_is_said_and_the_rerun_completes_it(tmp_path, reference):
+    """The run dir's disk fills up after the final weights (paused at moments' "trackers"):
+    exit 1 saying what could not be written and why, train.log's lines on stderr instead
+    (a failure that cannot write its own report still says it), no summary.json, no
+    restart; once there is room the same command completes the end, bit-exact."""
+    run = tmp_path / "run"
+    run.mkdir()
+    mount_tmpfs(run, "size=8m")
+    try:
+        args = [*ARGS, "data.num_workers=0"]
+        out = Path(f"{run}.out")
+        proc = start_train(run, *args, pause_at="trackers+8")
+        wait_until(lambda: b"CKPT_TEST_PAUSED" in out.read_bytes() or proc.poll() is not None)
+        fill(run / "filler")
+        assert shutil.disk_usage(run).free == 0
+        assert proc.wait(timeout=120) == 1, out.read_text()[-3000:]
+        said = out.read_text()
+        assert f"could not write the end of the run in {run} (summary.json)" in said
+        assert f"the disk is full: the file system mounted at {run} (tmpfs)" in said
+        assert "Traceback" not in said and not (run / "summary.json").exists()
+        assert not list(run.glob(".*.tmp"))  # the summary's half: removed
+        (run / "filler").unlink()
+        rerun = run_train(run, *args)
+        assert f"resumed from {ckpt_dir(run, 80)}" in rerun.output
+        assert_same_weights(run, reference(0))
+        assert not list(run.glob(".*.tmp"))
+    finally:
+        subprocess.run(["umount", str(run)], check=True)
+
+
+def fill(path: Path) -> None:
+    """Take every byte left on ``path``'s file system."""
+    with open(path, "wb", buffering=0) as filler, contextlib.suppress(OSError):
+        while True:
+            filler.write(bytes(2**16))
+
+
+def test_a_log_that_cannot_be_written_goes_to_stderr(capsys):
+    """train.log's handler on a disk that refuses it (/dev/full: ENOSPC on every write):
+    one line saying so, then each record on stderr, never logging's own traceback."""
+    import logging
+
+    from training_engine.logs import RunFileHandler
+
+    handler = RunFileHandler("/dev/full")
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    record = logging.LogRecord("train", logging.ERROR, __file__, 1, "could not save", None, None)
+    handler.handle(record)
+    handler.handle(record)
+    err = capsys.readouterr().err
+    assert err.count("/dev/full cannot be written (No space left on device): on stderr") == 1
+    assert err.count("ERROR could not save") == 2 and "Traceback" not in err
+    handler.close()
+
+
+def mount_tmpfs(path: Path, options: str) -> None:
+    """A small tmpfs at ``path`` (root and mount: CI runs as root)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root to mount a small tmpfs")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)])
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
 
 
 def test_nan_loss_stop_and_skip(tmp_path):

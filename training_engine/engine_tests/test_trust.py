@@ -3,9 +3,14 @@ project run no code, read nothing outside the run dir and crash nowhere. Each ca
 is a real run whose newest checkpoint an attacker rewrote, manifest entries forged
 to match, against resume, eval.py, predict.py, load_model and the checkpoint CLI."""
 
+import io
 import json
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -16,14 +21,16 @@ from safetensors.torch import load_file, save
 from training_engine import trust
 from training_engine.checkpoint.__main__ import main as checkpoint_cli
 from training_engine.config import ConfigError
-from training_engine.inference import load_model
+from training_engine.inference import load_checkpoint, load_model
+from training_engine.predictor import load_predictor
 
-from .conftest import FAST, run_train
+from .conftest import ENV, FAST, ONE_PROCESS, PROJECT_ROOT, run_train
 from .test_lifecycle import run_script
 
 # 30 steps, a checkpoint (and an evaluation) every 10: step_10, step_20, step_30.
 BASE = [*FAST, "checkpoint.every_n_steps=10"]
 NEWEST, PREVIOUS = "step_0000030", "step_0000020"
+MIB = 2**20
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +114,71 @@ def huge_safetensors_header(ckpt: Path, _: Path) -> None:
     forge(ckpt, "model.safetensors", (2**62).to_bytes(8, "little") + b"{}" + b" " * 62)
 
 
+def position(ckpt: Path, **fields: int) -> None:
+    """trainer_state.json and the manifest given the same forged position, every
+    checksum rewritten: only what they hold, judged against the run, can refuse it."""
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    forge(ckpt, "trainer_state.json", json.dumps({**state, **fields}).encode())
+    manifest = json.loads((ckpt / "MANIFEST.json").read_text())
+    (ckpt / "MANIFEST.json").write_text(json.dumps({**manifest, **fields}))
+
+
+def torch_file(value: object) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def oversized_rng_tensor(ckpt: Path, _: Path) -> None:
+    """8 MiB on disk where the CPU generator's state is 5 kB."""
+    rng = torch.load(ckpt / "rng_rank0.pt", weights_only=True)
+    forge(
+        ckpt, "rng_rank0.pt", torch_file({**rng, "torch": torch.zeros(8 * MIB, dtype=torch.uint8)})
+    )
+
+
+def inflating_rng_tensor(ckpt: Path, _: Path) -> None:
+    """A few hundred kB on disk that torch.load would inflate to 256 MiB: the record of
+    a 256 MiB tensor, deflated (torch.save writes none so; a zip may)."""
+    small = zipfile.ZipFile(io.BytesIO(torch_file({"torch": torch.zeros(8, dtype=torch.uint8)})))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as forged:
+        for info in small.infolist():
+            data = small.read(info.filename)
+            if info.filename.endswith("data.pkl"):  # the storage's and the tensor's size: 256 MiB
+                data = data.replace(b"K\x08", b"J" + (256 * MIB).to_bytes(4, "little"))
+            if info.filename.endswith("/data/0"):
+                record = zipfile.ZipInfo(info.filename)
+                record.compress_type = zipfile.ZIP_DEFLATED
+                with forged.open(record, "w", force_zip64=True) as f:
+                    for _ in range(256):
+                        f.write(bytes(MIB))
+                continue
+            forged.writestr(info.filename, data)
+    forge(ckpt, "rng_rank0.pt", out.getvalue())
+
+
+def optimizer_of_other_shapes(ckpt: Path, _: Path) -> None:
+    """AdamW's moments of the first matrix one row longer: load_state_dict takes them;
+    the first step after the resume would fail on them."""
+    state = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    moments = next(m for m in state["state"].values() if m["exp_avg"].ndim == 2)
+    rows, cols = moments["exp_avg"].shape
+    moments["exp_avg"] = torch.zeros(rows + 1, cols)
+    moments["exp_avg_sq"] = torch.zeros(rows + 1, cols)
+    forge(ckpt, "optimizer.pt", torch_file(state))
+
+
+def model_with_an_extra_key(ckpt: Path, _: Path) -> None:
+    weights = load_file(ckpt / "model.safetensors")
+    forge(ckpt, "model.safetensors", save({**weights, "extra.weight": torch.zeros(2)}))
+
+
+def model_without_a_key(ckpt: Path, _: Path) -> None:
+    weights = load_file(ckpt / "model.safetensors")
+    forge(ckpt, "model.safetensors", save(dict(list(weights.items())[1:])))
+
+
 # case -> (how the newest checkpoint is rewritten, what the readers say of it)
 CASES = {
     "config target": (config_with_payload, "does not trust"),
@@ -119,11 +191,66 @@ CASES = {
     "huge safetensors header": (huge_safetensors_header, "not a safetensors file"),
     "absurd step": (absurd_step, "step is not an integer in [0, 2**53)"),
     "step not the manifest's": (step_not_the_manifests, "its step 29 is not the manifest's 30"),
+    # the forged position in the manifest too (issue 38): judged against the run
+    "absurd epoch": (lambda c, _: position(c, epoch=10**6), "its epoch 1000000 is past its run's"),
+    "negative epoch": (lambda c, _: position(c, epoch=-1), "epoch is not an integer in [0"),
+    "absurd batch": (lambda c, _: position(c, batch=10**6), "its batch 1000000 is past its epoch"),
+    "step past the run": (
+        lambda c, _: position(c, step=10**6),
+        "its step 1000000 is past its run's length (trainer.max_steps=30)",
+    ),
+    "oversized rng tensor": (oversized_rng_tensor, "more than a checkpoint of this model can hold"),
+    "inflating rng tensor": (inflating_rng_tensor, "is compressed or larger than the file"),
+    "optimizer of other shapes": (optimizer_of_other_shapes, "the shape of no parameter of it"),
+    "model with an extra key": (model_with_an_extra_key, "has extra.weight, which this model does"),
+    "model without a key": (model_without_a_key, "its weights do not fit this model: lacks "),
 }
+# What a reader may take beyond the baseline's peak memory: the newest checkpoint's real
+# size and this (the forged files are read, if at all, as their size on disk allows)
+RSS_SLACK = 64 * MIB
+FORGED_CONTENT = list(CASES)[list(CASES).index("absurd epoch") :]
+
+
+def peak_rss(cmd: list[str]) -> tuple[int, str, int]:
+    """(exit code, output, peak resident memory in bytes) of a command of the project."""
+    with tempfile.TemporaryFile() as out:
+        proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=ENV, stdout=out, stderr=out)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        return proc.returncode, out.read().decode(errors="replace"), usage.ru_maxrss * 1024
+
+
+def eval_cmd(run: Path, out: Path) -> list[str]:
+    command = [sys.executable, "eval.py", f"hydra.run.dir={out}", ONE_PROCESS]
+    return [*command, f"ckpt={run}", "ckpt_pick=latest"]
+
+
+@pytest.fixture(scope="module")
+def baseline_rss(base, tmp_path_factory):
+    """eval.py's and a resume's peak memory on the untouched run."""
+    out = tmp_path_factory.mktemp("baseline")
+    code, said, evaluated = peak_rss(eval_cmd(base, out / "eval"))
+    assert code == 0, said[-3000:]
+    run = out / "run"
+    shutil.copytree(base, run)
+    code, said, resumed = peak_rss(train_cmd(run, "trainer.max_steps=40"))
+    assert code == 0, said[-3000:]
+    return {"eval": evaluated, "resume": resumed}
+
+
+def train_cmd(run: Path, *extra: str) -> list[str]:
+    return [sys.executable, "train.py", f"hydra.run.dir={run}", ONE_PROCESS, *BASE, *extra]
+
+
+def real_size(ckpt: Path) -> int:
+    return sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_a_hostile_checkpoint_is_refused_or_skipped_everywhere(base, tmp_path, case, capsys):
+def test_a_hostile_checkpoint_is_refused_or_skipped_everywhere(
+    base, baseline_rss, tmp_path, case, capsys
+):
     rewrite, problem = CASES[case]
     marker = tmp_path / "PAYLOAD_RAN"
     run = tmp_path / "run"
@@ -131,16 +258,19 @@ def test_a_hostile_checkpoint_is_refused_or_skipped_everywhere(base, tmp_path, c
     rewrite(run / "checkpoints" / NEWEST, marker)
     refused = case == "config target"  # a checkpoint that verifies but names code: exit 2
 
-    # eval.py: the newest checkpoint is refused (exit 2) or skipped for the previous one
+    # eval.py: the newest checkpoint is refused (exit 2) or skipped for the previous one,
+    # in no more memory than the untouched run's and the checkpoint's size on disk
     out = tmp_path / "eval"
-    proc = run_script("eval.py", out, f"ckpt={run}", "ckpt_pick=latest", check=False)
-    said = proc.stdout + proc.stderr
+    code, said, rss = peak_rss(eval_cmd(run, out))
     assert "Traceback" not in said and problem in said
+    if case in FORGED_CONTENT:
+        bound = baseline_rss["eval"] + real_size(run / "checkpoints" / NEWEST) + RSS_SLACK
+        assert rss <= bound, (rss, baseline_rss["eval"])
     if refused:
-        assert proc.returncode == 2 and "pathlib.Path.write_text" in said
+        assert code == 2 and "pathlib.Path.write_text" in said
         assert "trusted_targets" in said and not out.exists()
     else:
-        assert proc.returncode == 0, said[-3000:]
+        assert code == 0, said[-3000:]
         report = json.loads((out / "eval.json").read_text())
         assert Path(report["checkpoint"]).name == PREVIOUS
         assert f"skipping checkpoint {run / 'checkpoints' / NEWEST}" in said
@@ -153,6 +283,12 @@ def test_a_hostile_checkpoint_is_refused_or_skipped_everywhere(base, tmp_path, c
         model = load_model(run, pick="latest")
         expected = load_file(run / "checkpoints" / PREVIOUS / "model.safetensors")
         assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+        # predict.py's load_predictor and generate.py's load_checkpoint (the model's
+        # config given): the same judgement, the previous checkpoint
+        assert load_predictor(run, pick="latest").checkpoint.name == PREVIOUS
+        config = json.loads((base / "config.json").read_text())
+        loaded = load_checkpoint(run, "latest", model_config=config["model"])
+        assert loaded.checkpoint.name == PREVIOUS
 
     # The CLI: verify names the problem (a forged config verifies: it is not code to it)
     code = checkpoint_cli(["verify", str(run / "checkpoints" / NEWEST)])
@@ -169,19 +305,27 @@ def test_a_hostile_checkpoint_is_refused_or_skipped_everywhere(base, tmp_path, c
 
 
 @pytest.mark.parametrize(
-    "case", ["config target", "deep trainer_state", "huge safetensors header", "absurd step"]
+    "case",
+    ["config target", "deep trainer_state", "huge safetensors header", "absurd step"]
+    + [case for case in FORGED_CONTENT if case != "negative epoch"],  # the manifest's: above
 )
-def test_resume_skips_a_hostile_checkpoint_of_its_own_run(base, tmp_path, case):
+def test_resume_skips_a_hostile_checkpoint_of_its_own_run(base, baseline_rss, tmp_path, case):
+    """Named, skipped for the previous checkpoint, in no more memory than a resume of
+    the untouched run and the checkpoint's size on disk allow."""
     rewrite, problem = CASES[case]
     marker = tmp_path / "PAYLOAD_RAN"
     run = tmp_path / "run"
     shutil.copytree(base, run)
     rewrite(run / "checkpoints" / NEWEST, marker)
-    longer = run_train(run, *BASE, "trainer.max_steps=40")
-    assert f"skipping checkpoint {run / 'checkpoints' / NEWEST}" in longer.output
-    assert problem in longer.output or case == "config target"
-    assert longer.summary["resumed_from"] == str(run / "checkpoints" / PREVIOUS)
-    assert longer.summary["step"] == 40 and not marker.exists()
+    size = real_size(run / "checkpoints" / NEWEST)
+    code, said, rss = peak_rss(train_cmd(run, "trainer.max_steps=40"))
+    assert code == 0 and "Traceback" not in said, said[-3000:]
+    assert f"skipping checkpoint {run / 'checkpoints' / NEWEST}" in said
+    assert problem in said or case == "config target"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed_from"] == str(run / "checkpoints" / PREVIOUS)
+    assert summary["step"] == 40 and not marker.exists()
+    assert rss <= baseline_rss["resume"] + size + RSS_SLACK, (rss, baseline_rss["resume"])
 
 
 def weights_that_do_not_fit(ckpt: Path, _: Path) -> None:

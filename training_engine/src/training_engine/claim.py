@@ -34,13 +34,14 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from . import trust
+from . import moments, trust
 from .checkpoint import final_weights_problem
 from .checkpoint.format import MODEL
 from .config import ConfigError, allowed_config_changes, config_differences
 from .files import temporary, write_atomic, write_json_atomic
 from .logs import discard_run_logs, open_run_logs
 from .run_dir import (
+    SHARED_CHECK,
     RunDirError,
     is_launch_main,
     made_by_this_launch,
@@ -57,6 +58,10 @@ ATTEMPT = ".attempt"  # the staged statement of an attempt that has not started 
 # run dir's name (compared as the run dir itself; hydra.run.dir may have set it).
 PER_NODE_KEYS = ("parallel.node_rank", "parallel.master_addr", "runs_root", "run_name")
 SUMMARY = "summary.json"  # a finished run's commit record, written after its weights
+# What a launch killed half-way leaves in the run dir besides its .tmp files (removed
+# where they are made: a checkpoint's by CheckpointManager, the end's by reopen_the_end):
+# preflight's scratch folder (preflight/checks.py SCRATCH) and the storage check's marker
+LEFTOVERS = (".preflight", f"{SHARED_CHECK}*")
 
 log = logging.getLogger(__name__)
 
@@ -213,8 +218,10 @@ def claim(run_dir: Path, cfg: DictConfig, raw: DictConfig | None = None) -> Iter
             decision = inspect(run_dir, cfg)
             shutil.rmtree(run_dir / ATTEMPT, ignore_errors=True)  # a killed attempt's
             if not decision.finished:
+                remove_leftovers(run_dir)  # of a launch killed before it finished
                 stage_attempt(cfg, run_dir, raw)
                 open_run_logs()
+                moments.reached("claim")
             else:
                 discard_run_logs()  # a finished run's train.log stays as it was
         except OSError as err:  # read-only, not a directory, no space
@@ -251,6 +258,17 @@ def take_back(claimed: Claim, *, keep_diagnostics: bool = False) -> None:
                 else:
                     entry.unlink(missing_ok=True)
         made_by_this_launch(run_dir, remove=True)
+
+
+def remove_leftovers(run_dir: Path) -> None:
+    """What a launch killed before it finished left (LEFTOVERS): the lock is held, so
+    no live launch is using them."""
+    for entry in run_dir.iterdir():
+        if _matches(entry.name, LEFTOVERS):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
 
 
 def stage_attempt(cfg: DictConfig, run_dir: Path, raw: DictConfig | None = None) -> None:

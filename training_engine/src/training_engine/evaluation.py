@@ -40,6 +40,7 @@ from .inference import (
     WEIGHTS,
     check_choice,
     load_checkpoint,
+    model_spec,
     read_first_valid,
     run_config,
     run_values,
@@ -81,7 +82,18 @@ def prepare(raw: DictConfig) -> tuple[DictConfig, Path]:
         found = Path(composed.ckpt).exists()
         require("ckpt", composed.ckpt, found, "a run dir, its checkpoints/ or a step_* dir")
         # the first valid checkpoint (verified: a corrupt one is skipped, as resume does)
-        ckpt, _, saved = read_first_valid(composed.ckpt, composed.ckpt_pick, composed.weights)
+        # (its weights judged against the run's model, built on the meta device: a
+        # checkpoint whose weights do not fit it is skipped for the previous one)
+        ckpt, _, saved = read_first_valid(
+            composed.ckpt,
+            composed.ckpt_pick,
+            composed.weights,
+            lambda run: model_spec(
+                trusted_config(
+                    run, ("model",), trusted=composed.trusted_targets, where="config.json"
+                )["model"]
+            ),
+        )
         # the run's model and data are built only from targets this project trusts
         where = str(ckpt / fmt.CONFIG)
         saved = trusted_config(saved, BUILT_FROM_RUN, trusted=composed.trusted_targets, where=where)

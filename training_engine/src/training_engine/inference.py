@@ -11,7 +11,9 @@ docs/lifecycle.md.
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from . import trust
-from .checkpoint import folder, sharded, ties
+from .checkpoint import folder, judge, sharded, ties
 from .checkpoint import format as fmt
 from .checkpoint.format import CheckpointError
 from .config import ConfigError, instantiate, require
@@ -107,15 +109,21 @@ def _saved_as_best(ckpt: Path) -> bool:
 
 
 def read_first_valid(
-    path: str | Path, pick: str = "best", weights: str = "raw"
+    path: str | Path,
+    pick: str = "best",
+    weights: str = "raw",
+    spec_for: Callable[[dict], judge.ModelSpec | None] | None = None,
 ) -> tuple[Path, dict[str, torch.Tensor], dict]:
     """(checkpoint, weights, run config) of the first valid checkpoint of
     ``checkpoint_candidates``: a corrupt one is skipped with a warning naming the
-    file, as resume does. CheckpointError when none is valid."""
+    file, as resume does. ``spec_for``: the model a checkpoint's run config builds
+    (``model_spec``), whose weights it must hold (judged before they are read).
+    CheckpointError when none is valid."""
     problems = []
     for ckpt in checkpoint_candidates(path, pick):
         try:
-            state, config = read_weights(ckpt, weights)
+            expected = spec_for(_run_config(ckpt)) if spec_for is not None else None
+            state, config = read_weights(ckpt, weights, expected)
         except CheckpointError as err:
             log.warning(f"skipping checkpoint {ckpt}: {err}")
             problems.append(str(err))
@@ -126,9 +134,20 @@ def read_first_valid(
     raise CheckpointError(f"{path}: no valid checkpoint:\n  " + "\n  ".join(problems))
 
 
-def read_weights(ckpt: Path, weights: str = "raw") -> tuple[dict[str, torch.Tensor], dict]:
+def _run_config(ckpt: Path) -> dict[str, Any]:
+    """A checkpoint's config.json, read bounded (its checksum: ``read_weights``)."""
+    try:
+        return fmt.check_object(trust.read_json(trust.inside(fmt.CONFIG, ckpt)))
+    except (trust.Malformed, ValueError) as err:
+        raise CheckpointError(f"{ckpt / fmt.CONFIG}: unreadable ({err})") from err
+
+
+def read_weights(
+    ckpt: Path, weights: str = "raw", expected: judge.ModelSpec | None = None
+) -> tuple[dict[str, torch.Tensor], dict]:
     """(model state dict, the run's config) of one checkpoint, every file read
-    verified against its manifest. ``weights=ema``: the EMA weights. The config is
+    verified against its manifest and judged (checkpoint/judge.py; ``expected``: the
+    model its weights must fit). ``weights=ema``: the EMA weights. The config is
     data: build nothing from it without ``trusted_config``."""
     check_choice("weights", weights, WEIGHTS)
     manifest = fmt.read_manifest(ckpt)
@@ -142,13 +161,53 @@ def read_weights(ckpt: Path, weights: str = "raw") -> tuple[dict[str, torch.Tens
     # Every file verified, as resume and the CLI do; only these read whole.
     wanted = (name, fmt.CONFIG, ties.TIES_FILE)
     loaded = fmt.verify_files(
-        ckpt, parse=lambda n, p: fmt.parse_file(n, p) if n in wanted else fmt.check_content(n, p)
+        ckpt,
+        parse=lambda n, p: fmt.parse_file(n, p) if n in wanted else fmt.check_content(n, p),
+        expected=expected if weights == "raw" else None,
     )
     full = sharded.full_model_state(ckpt) if shards else loaded[name]  # consolidated
     state = ties.restore(full, ties.of_checkpoint(loaded, ckpt))  # tied: stored once
     if weights == "ema":  # torch.optim.swa_utils.AveragedModel's keys: module.* + n_averaged
         state = {k.removeprefix("module."): v for k, v in state.items() if k != "n_averaged"}
+        found = judge.ModelSpec(judge.ModelSpec.of_state(state).tensors)
+        wrong = judge.misfit(expected, found) if expected is not None else None
+        if wrong:
+            raise CheckpointError(f"{ckpt / EMA_FILE}: its weights do not fit this model: {wrong}")
     return state, loaded[fmt.CONFIG]
+
+
+def model_spec(model_config: Any) -> judge.ModelSpec:
+    """What the model of ``model_config`` holds (names, shapes, dtypes), built on the
+    meta device (no memory, no initialisation; on the CPU where a model cannot be
+    built there), once per config. Build only a config ``trusted_config`` passed."""
+    node = OmegaConf.create(model_config)
+    key = json.dumps(OmegaConf.to_container(node, resolve=True), sort_keys=True, default=str)
+    if key not in _SPECS:
+        try:
+            with torch.device("meta"):
+                model = instantiate(node, what="model")
+        except ConfigError:
+            raise
+        except Exception:  # e.g. a model that reads a tensor's values while built
+            model = instantiate(node, what="model")
+        _SPECS[key] = judge.ModelSpec.of(model)
+    return _SPECS[key]
+
+
+_SPECS: dict[str, judge.ModelSpec] = {}  # model_spec's, by config
+
+
+def run_model_spec(ckpt: Path, trusted: Any = ()) -> judge.ModelSpec | None:
+    """The model a checkpoint's own config.json builds (``model_spec``), for readers
+    that have none (the checkpoint CLI): None when the config names code this project
+    does not trust, or cannot be read or built (then judged without the model)."""
+    try:
+        config = _run_config(ckpt)
+        where = str(ckpt / fmt.CONFIG)
+        node = trusted_config(config, ("model",), trusted=trusted, where=where)["model"]
+        return model_spec(node)
+    except Exception:  # any config: the CLI judges what it can without the model
+        return None
 
 
 def trusted_config(
@@ -182,7 +241,16 @@ def load_checkpoint(
     """The model of ``model_config`` (default: the run's own, built only from targets
     the project trusts: trust.check_targets, plus the modules in ``trusted``) with a
     checkpoint's weights, on the CPU, in eval mode; strict: every key and shape must match."""
-    ckpt, state, config = read_first_valid(path, pick, weights)
+
+    def model_of(config: dict) -> Any:
+        if model_config is not None:
+            return model_config
+        return trusted_config(
+            config, ("model",), trusted=trusted, where="config.json", hint=TRUST_IN_CALL
+        )["model"]
+
+    # every candidate judged against the model before its weights are read
+    ckpt, state, config = read_first_valid(path, pick, weights, lambda c: model_spec(model_of(c)))
     if model_config is None:
         where = f"{ckpt / 'config.json'}"
         model_config = trusted_config(

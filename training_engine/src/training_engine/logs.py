@@ -7,6 +7,7 @@ memory until ``run_dir.claim`` has decided the directory is this run's, then
 writes them to the file; a refused directory is never touched.
 """
 
+import contextlib
 import logging
 import os
 import sys
@@ -15,6 +16,30 @@ from pathlib import Path
 from .launch import global_rank
 
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - rank %(rank)s - %(message)s"
+
+
+class RunFileHandler(logging.FileHandler):
+    """A log file's handler whose records, when the file cannot be written (a full or
+    read-only disk), go to stderr instead: a failure that cannot write its own report
+    still says it, with one line saying why, never logging's own traceback."""
+
+    failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        err = sys.exc_info()[1]
+        if not isinstance(err, OSError):
+            super().handleError(record)
+            return
+        with contextlib.suppress(Exception):  # stderr is the last resort: nothing after it
+            if not self.failed:
+                why = err.strerror or err
+                print(f"{self.baseFilename} cannot be written ({why}): on stderr", file=sys.stderr)
+            self.failed = True
+            print(self.format(record), file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # what the full disk refused: said already
+            super().close()
 
 
 class RunLogHandler(logging.Handler):
@@ -34,7 +59,7 @@ class RunLogHandler(logging.Handler):
             self._pending.append(record)
 
     def open(self) -> None:
-        self._file = logging.FileHandler(self.path, self.mode, self.encoding)
+        self._file = RunFileHandler(self.path, self.mode, self.encoding)
         self._file.setFormatter(self.formatter)
         for record in self._pending:
             self._file.emit(record)
@@ -78,7 +103,7 @@ def setup_rank_logging(run_dir: Path, *, files: bool = True) -> None:
         root.removeHandler(handler)
         handler.close()
     name = "train.log" if rank == 0 else f"train_rank{rank}.log"
-    handlers: list[logging.Handler] = [logging.FileHandler(run_dir / name)] if files else []
+    handlers: list[logging.Handler] = [RunFileHandler(run_dir / name)] if files else []
     if rank == 0:
         handlers.append(logging.StreamHandler(sys.stdout))
     formatter = logging.Formatter(LOG_FORMAT.replace("%(rank)s", str(rank)))

@@ -113,7 +113,9 @@ class MetricBook:
 class WindowMeans:
     """train/loss and the task's logs (task.loss's second value), summed on the device
     per micro-batch (no host sync) and averaged over a log window across the ranks:
-    one all-reduce per log step, the loss's and the logs' together."""
+    one all-reduce per log step, the loss's and the logs' together. A checkpoint keeps
+    every rank's sums of the window it cuts, so a resumed run logs the window's means
+    as an uninterrupted one does (``state_dict``: a collective, at a save)."""
 
     def __init__(self, accelerator: Any) -> None:
         self.accelerator = accelerator
@@ -143,3 +145,20 @@ class WindowMeans:
         self._sums.zero_()
         self._count = 0
         return means
+
+    def state_dict(self) -> dict[str, Any]:
+        """The open window: its names, count and every rank's sums (a collective while
+        a window is open: every rank saves at the same step, with the same count)."""
+        if self._sums is None or not self._count:
+            return {"names": self._names, "count": 0, "sums": []}
+        sums = self.accelerator.gather(self._sums.reshape(1, -1)).cpu().tolist()
+        return {"names": self._names, "count": self._count, "sums": sums}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """This rank's sums (a checkpoint of another world size: one saved rank's)."""
+        sums = state.get("sums") or []
+        if not state.get("count") or not sums:
+            return
+        rank = self.accelerator.process_index % len(sums)
+        self._names, self._count = list(state["names"]), int(state["count"])
+        self._sums = torch.tensor(sums[rank], dtype=torch.float32, device=self.accelerator.device)

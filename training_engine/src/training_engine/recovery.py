@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from . import trust
+from .checkpoint import final_weights_problem
 from .files import write_json_atomic
-from .watchdog import EXIT_HANG, attempt, attempt_dir, read_beats
+from .watchdog import EXIT_HANG, STEP_FILE, attempt, attempt_dir, last_steps, read_beats
 
 log = logging.getLogger(__name__)
 RECOVERIES = "recoveries.json"  # in the run dir: every recovery of the run, every launch
@@ -100,8 +101,11 @@ def note_failure(run_dir: Path, number: int, *, rank: int, exit_code: int, messa
 
 def clear_failure(run_dir: Path, number: int) -> None:
     """Before attempt ``number`` starts: an earlier launch's notes are not its own."""
+    folder = attempt_dir(run_dir, number)
     for name in ("failure.json", "recovery.json"):
-        (attempt_dir(run_dir, number) / name).unlink(missing_ok=True)
+        (folder / name).unlink(missing_ok=True)
+    for path in folder.glob(f"{STEP_FILE}*"):  # a launch's attempt's, of more ranks maybe
+        path.unlink(missing_ok=True)
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -146,7 +150,12 @@ def describe(run_dir: Path, number: int) -> dict[str, Any]:
         "cause": cause,
         "ranks": ranks,
         "detected_after_s": round(noticed - min(progress), 1) if progress and noticed else None,
-        "last_step": max((int(b.get("step", 0)) for b in beats.values()), default=0),
+        # the furthest step any rank completed: written at every step (a heartbeat, once
+        # a second, can be a second stale)
+        "last_step": max(
+            [*last_steps(folder).values(), *(int(b.get("step", 0)) for b in beats.values())],
+            default=0,
+        ),
         "started_at": max((float(b.get("started_at", 0)) for b in beats.values()), default=0.0),
     }
 
@@ -204,6 +213,10 @@ def write_failed_summary(
     restart was made (no ``best``: claim.py reads it as a run to continue, not a
     finished one)."""
     failed = describe(run_dir, number)
+    finished = _read(Path(run_dir) / "summary.json")
+    if "best" in finished and final_weights_problem(run_dir, finished.get("final_weights")) is None:
+        log.error(f"attempt {number} failed after the run had finished: summary.json stays")
+        return  # e.g. a worker killed on its way out: a finished run keeps its record
     summary = {
         "status": "failed",
         "failure": {"attempt": number, **{k: failed[k] for k in ("cause", "ranks")}},

@@ -16,6 +16,7 @@ It holds ``.hydra/``, the resolved ``config.yaml`` and ``config.json``,
 
 import contextlib
 import hashlib
+import json
 import os
 import socket
 import time
@@ -28,13 +29,18 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from . import moments
+from .checkpoint.format import CheckpointError
 from .config import ConfigError
-from .files import write_atomic, write_json_atomic
+from .files import fsync_dir, temporary, write_atomic, write_durable
 from .launch import global_rank, under_launcher
 
 
 class RunDirError(ConfigError):
     """The run directory belongs to another run, or is in use (exit code 2)."""
+
+
+SHARED_CHECK = ".shared-check-"  # check_shared_storage's marker (a killed launch's: claim.py)
 
 
 # --- names -----------------------------------------------------------------------------
@@ -203,7 +209,7 @@ def check_shared_storage(run_dir: Path, accelerator: Any) -> None:
 
     token = [os.urandom(8).hex() if accelerator.is_main_process else None]
     broadcast_object_list(token)
-    marker = run_dir / f".shared-check-{token[0]}"
+    marker = run_dir / f"{SHARED_CHECK}{token[0]}"
     if accelerator.is_main_process:
         marker.write_text(socket.gethostname())
     accelerator.wait_for_everyone()
@@ -225,4 +231,27 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
     """``summary.json``, atomically, by the main process: a finished run's commit
     record, written after every other file of the end (claim.py checks them)."""
     if PartialState().is_main_process:
-        write_json_atomic(run_dir / "summary.json", summary)
+        path = Path(run_dir) / "summary.json"
+        try:
+            write_durable(temporary(path), json.dumps(summary, indent=2) + "\n")
+            moments.reached("summary")  # written, not yet in place: the run is not finished
+            os.replace(temporary(path), path)
+        except OSError:
+            temporary(path).unlink(missing_ok=True)  # a full disk: nothing half-written left
+            raise
+        fsync_dir(path.parent)  # the commit: durable before the process reports done
+
+
+def end_not_written(run_dir: Path, what: str, err: OSError) -> CheckpointError:
+    """The error of an end of a run (``what``: the final weights, the trackers' files,
+    summary.json) that the disk refused: which, why, what to do. Not retried
+    (recovery.py: exit 1)."""
+    from . import disk
+
+    why = disk.full_disk_report(run_dir, None) if disk.is_full(err) else err.strerror or err
+    return CheckpointError(
+        f"could not write the end of the run in {run_dir} ({err.filename or what}): {why}. "
+        "The checkpoints are intact, and the run is not finished: free space there (or fix "
+        "its permissions), then run the same command: it completes the end from the last "
+        "checkpoint"
+    )

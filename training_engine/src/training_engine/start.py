@@ -31,9 +31,10 @@ from .run_dir import (
     made_by_this_launch,
     uses_default_run_name,
 )
+from .summary import report_finished
 from .task import build_task
 from .tracking import check_reachable
-from .trainer import TRAIN_METRICS, report_finished
+from .trainer import TRAIN_METRICS
 
 log = logging.getLogger("train")
 FAILURES = (ConfigError, LaunchError, CheckpointError, NonFiniteLoss, PreflightFailed)

@@ -90,3 +90,37 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def rng_problem(state: Any) -> str | None:
+    """Why ``state`` is not an RNG state as ``rng_state`` writes it (asked before
+    ``set_rng_state``: a forged one is refused, never applied); None if it is."""
+    if not isinstance(state, dict):
+        return "not an RNG state (python, numpy and torch's)"
+    py, npy = state.get("python"), state.get("numpy")
+    if not (
+        isinstance(py, dict) and _words(py.get("state"), 625) and isinstance(py.get("version"), int)
+    ):
+        return "python: not the Mersenne Twister's 625 words"
+    if not (
+        isinstance(npy, dict) and _words(npy.get("keys"), 624) and npy.get("pos") in range(625)
+    ):
+        return "numpy: not the Mersenne Twister's 624 keys and a position"
+    size = torch.get_rng_state().numel()
+    cpu = state.get("torch")
+    if not (_tensor(cpu, torch.uint8) and cpu.shape == (size,)):
+        found = list(cpu.shape) if isinstance(cpu, torch.Tensor) else type(cpu).__name__
+        return f"torch: {found}, not the CPU generator's state of {size} bytes"
+    cuda = state.get("cuda", [])
+    small = isinstance(cuda, list | tuple) and len(cuda) <= 4096
+    if not (small and all(_tensor(t, torch.uint8) and t.numel() <= 4096 for t in cuda)):
+        return "cuda: not the GPUs' generator states"
+    return None
+
+
+def _tensor(value: Any, dtype: torch.dtype) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype == dtype and value.ndim == 1
+
+
+def _words(value: Any, count: int) -> bool:
+    return _tensor(value, torch.int64) and value.numel() == count

@@ -193,6 +193,15 @@ def watch_model(accelerator: Any, model: torch.nn.Module) -> None:
     tracker.run.watch(accelerator.unwrap_model(model), **tracker.watch_settings)
 
 
+def finish_trackers(accelerator: Any) -> None:
+    """Every tracker's finish (TensorBoard's flush, W&B's and MLflow's end of run),
+    once, before summary.json says the run finished: a kill after the summary must
+    find nothing of theirs unwritten. ``accelerator.end_training`` then finishes none."""
+    trackers, accelerator.trackers = list(accelerator.trackers), []
+    for tracker in trackers:
+        tracker.finish()
+
+
 def log_final_model(
     accelerator: Any, cfg: DictConfig, run_dir: Path, loader: Any, *, task: Any
 ) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from . import moments
 from .accel import (
     build_accelerator,
     built_whole,
@@ -50,15 +51,16 @@ from .preemption import StopSignals
 from .preflight import run_preflight
 from .progress import Progress, RunClock
 from .pruning import TrialReporter
-from .recovery import history, note_recovery
-from .run_dir import check_shared_storage, write_summary
+from .recovery import note_recovery
+from .run_dir import check_shared_storage, end_not_written, write_summary
 from .schedules import ScheduleSteps
 from .seeding import same_on_every_rank, seed_everything
 from .state import TrainState
 from .step import Step
+from .summary import report_finished, run_summary
 from .task import build_task
 from .throughput import Throughput
-from .tracking import log_final_model, start_trackers, watch_model
+from .tracking import finish_trackers, log_final_model, start_trackers, watch_model
 from .trust import warn_what_evaluation_will_refuse
 from .watchdog import Watchdog
 
@@ -66,17 +68,6 @@ log = logging.getLogger("train")
 # What the loop logs itself, besides the task's own train/<log>s; the task's ``metrics``
 # are its evaluation's (trainer.monitor picks one).
 TRAIN_METRICS = ("train/loss", "train/lr", "train/grad_norm", "train/epoch")
-
-
-def report_finished(run_dir: Path, summary: dict) -> float | None:
-    """A rerun of a finished run: say so, change nothing; its best value for sweepers."""
-    best = summary["best"]
-    log.info(
-        f"{run_dir} is a finished run (step {summary['step']}, best {best['name']} "
-        f"{best['value']} at step {best['step']}): nothing to do, nothing changed. Raise "
-        "trainer.max_steps/max_epochs to continue it, or use another run_name"
-    )
-    return best["value"]
 
 
 class Trainer:
@@ -158,7 +149,8 @@ class Trainer:
             run_dir=run_dir,
             accelerator=accelerator,
             configured=cfg.trainer.grad_accum_steps,
-            model=model,  # a checkpoint whose weights do not fit it is skipped, named
+            model=model,  # a checkpoint whose weights or optimizer state do not fit
+            optimizer=optimizer,  # them is skipped, named (checkpoint/judge.py)
         )
         self.grad_accum = self.resume.grad_accum
         # The loop's length and cadence, once: the loop runs it, preflight's ETA asks it.
@@ -228,6 +220,7 @@ class Trainer:
             frozen=tuple(frozen),
         )
         self.clock = RunClock()  # training time of the whole run, across resumes
+        self.window = WindowMeans(accelerator)  # train/loss and the task's logs, summed
         self.state = TrainState(
             model=self.model,
             optimizer=self.optimizer,
@@ -240,6 +233,7 @@ class Trainer:
             stateful={
                 "metrics": self.book,
                 "clock": self.clock,
+                "log_window": self.window,  # a window a checkpoint cuts: its sums so far
                 "early_stopping": self.stopper,
                 **self.ema.stateful,
                 **stateful(self.callbacks),  # callbacks.<name>: one with state_dict()
@@ -288,7 +282,6 @@ class Trainer:
             self.done = True
             return
         self.progress = Progress(self.total_steps, initial_step=self.step_count, clock=self.clock)
-        self.window = WindowMeans(accelerator)  # train/loss and the task's logs, summed
         self.data = None  # the latest batch (its size counts the summary's samples)
         self.stop = False  # the ranks agreed that a stop signal came (agreement.at_step)
         # Hang detection: each phase of the loop (first step, step, eval, save) has a
@@ -368,6 +361,7 @@ class Trainer:
         NaN/inf loss stops here, naming its step), evaluation, checkpoints, pruning."""
         cfg, accelerator, book = self.cfg, self.accelerator, self.book
         step = self.step_count = self.state.advance(self.epoch, self._batch)
+        moments.reached("first_step" if step == self.start_at.step + 1 else "step", step)
         self.run.step, self.run.epoch = step, self.epoch
         self.events.on_step_end(self.run)
 
@@ -414,16 +408,18 @@ class Trainer:
         self.book.update(metrics, step, require_monitor=True)
         accelerator.log(metrics, step=step)
         self.progress.report(step, metrics)
+        moments.reached("eval", step)
         self.events.on_eval_end(self.run, metrics)  # early stopping, then the callbacks
         return metrics
 
     # --- the end ---------------------------------------------------------------------
 
     def finish(self) -> float | None:
-        """The last checkpoint, then (in this order) the final weights, the tracker's
-        copy and summary.json LAST (it records the weights' size and checksum): a kill
-        before it leaves no finished run, and the rerun completes the end from the last
-        checkpoint (docs/run-dir.md). Returns the best value of trainer.monitor."""
+        """The end of a run, committed like a save, through moments.LIFE's end: the
+        last checkpoint, the final weights, the trackers' last writes and finish, then
+        summary.json LAST (it records the weights' size and checksum): a kill before it
+        leaves no finished run, and the rerun completes the end from the last checkpoint
+        (docs/run-dir.md). Returns the best value of trainer.monitor."""
         accelerator, book, run_dir = self.accelerator, self.book, self.run_dir
         step = self.step_count
         self.debug.finish()
@@ -433,39 +429,26 @@ class Trainer:
             saved = self.ckpt.finish(metrics=book.last, stop=self.stop)  # the last one
         if saved is not None:
             self.events.on_save(self.run, saved)
+        moments.reached("final_checkpoint", step)
         self.watchdog.close()
         self.signals.finish(stopped=self.stop, saved=self.ckpt.last_saved)  # a stop: exit
         self.events.on_train_end(self.run)
 
         wall = self.clock.elapsed()
-        data = self.data
-        if data is None and step > 0:  # an end completed from the last checkpoint: no
-            data = next(iter(self.train_loader))  # batch seen here; one, to size the rates
-        samples, tokens = self.task.batch_size(batch=data) if data is not None else (0, None)
-        excluded = self.clock.excluded_s
-        summary = {
-            "step": step,
-            "epoch": self.epoch + 1,
-            "world_size": accelerator.num_processes,
-            "wall_time_s": round(wall, 3),  # the whole run's loop (every attempt)
-            "steps_per_sec": round(step / wall, 3) if wall > 0 else 0.0,  # over wall_time_s
-            # the same run's rates over training time only, and what was left out
-            "rates": self.throughput.summary(
-                step, wall, excluded, samples, tokens, self.grad_accum
-            ),
-            "metrics": book.last,
-            "best": book.best(),
-            "resumed_from": self.ckpt.resumed_from,  # null for a fresh start
-            "skipped_nan_steps": self.guard.skipped,
-            "recoveries": history(run_dir),  # in-job restarts, every launch's
-            **self.fine_tuned,  # checkpoint.init_from: the source, the keys that did not fit
-            **self.stopper.summary(),  # trainer.early_stopping: whether, when and why
-        }
+        summary = run_summary(self, step, wall)  # summary.json's, but the final weights
         plain = plain_model(accelerator, self.model)  # no DDP/compile wrapper
         log.info(f"final weights fingerprint {weights_fingerprint(plain)}")
-        weights = save_final_weights(accelerator, self.model, run_dir)  # model.safetensors
-        log_final_model(accelerator, self.cfg, run_dir, self.loaders.val, task=self.task)
-        write_summary(run_dir, {**summary, "final_weights": weights})  # the commit record
+        writing = "model.safetensors"  # what a full or read-only disk refused: said
+        try:
+            weights = save_final_weights(accelerator, self.model, run_dir)  # model.safetensors
+            writing = "the trackers' files"
+            log_final_model(accelerator, self.cfg, run_dir, self.loaders.val, task=self.task)
+            moments.reached("trackers", step)
+            finish_trackers(accelerator)  # flushed and closed before the run says finished
+            writing = "summary.json"
+            write_summary(run_dir, {**summary, "final_weights": weights})  # the commit record
+        except OSError as err:
+            raise end_not_written(run_dir, writing, err) from err
         log.info(
             f"done: {step} steps in {wall:.1f}s | "
             + " | ".join(f"{k} {v:.4f}" for k, v in book.last.items() if k.startswith("val/"))
@@ -477,6 +460,7 @@ class Trainer:
             )
             + f" | summary: {run_dir / 'summary.json'}"
         )
+        moments.reached("exit", step)
         accelerator.wait_for_everyone()  # gloo can abort at exit without this barrier
-        accelerator.end_training()
+        accelerator.end_training()  # the process group (the trackers finished above)
         return book.best_value

@@ -47,6 +47,9 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 EXIT_HANG = 5  # entry.py: a rank gave up waiting (a hang); the launcher may restart
+STEP_FILE = "step_rank"  # + rank: the last step a rank completed (recovery.py reads it)
+# The phases a rank is in, each with its budget (among moments.LIFE: the fault matrix's)
+PHASES = ("first_step", "step", "eval", "save")
 HANGS = "hangs"
 # One step time that is k x p95 of the others is a hang, not jitter; and a save or an
 # evaluation three times as long as the longest seen so far.
@@ -66,6 +69,17 @@ def attempt() -> int:
 
 def attempt_dir(run_dir: Path, number: int | None = None) -> Path:
     return Path(run_dir) / HANGS / str(attempt() if number is None else number)
+
+
+def last_steps(folder: Path) -> dict[int, int]:
+    """The last step each rank completed in an attempt (``step_rank<r>``), by rank."""
+    steps = {}
+    for path in folder.glob(f"{STEP_FILE}*"):
+        with contextlib.suppress(OSError, ValueError):
+            data = path.read_bytes()[:8]
+            if len(data) == 8:
+                steps[int(path.name.removeprefix(STEP_FILE))] = int.from_bytes(data, "little")
+    return steps
 
 
 def read_beats(folder: Path) -> dict[int, dict[str, Any]]:
@@ -124,6 +138,7 @@ class Watchdog:
         self._start_step = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._progress: int | None = None  # step_rank<r>: the last step done, 8 bytes
 
     # --- the loop's verbs ----------------------------------------------------------
 
@@ -138,6 +153,12 @@ class Watchdog:
         for stale in (f"rank{self.rank}.txt", f"report_rank{self.rank}.json"):
             (self.folder / stale).unlink(missing_ok=True)  # an earlier launch's
         self._beat()
+        # the last step this rank completed, rewritten in place at every step (8 bytes, no
+        # fsync: a killed process's writes stay in the page cache): what a recovery redid
+        path = self.folder / f"{STEP_FILE}{self.rank}"
+        with contextlib.suppress(OSError):
+            self._progress = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._record(step)
         self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
         self._thread.start()
 
@@ -156,11 +177,19 @@ class Watchdog:
         elif phase == "first_step":
             self._tighten_collectives()
         self._where = ("step", now, time.time(), step)
+        self._record(step)
+
+    def _record(self, step: int) -> None:
+        if self._progress is not None:
+            with contextlib.suppress(OSError):
+                os.pwrite(self._progress, step.to_bytes(8, "little"), 0)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """An evaluation or a save (``name``: eval | save) with its own budget;
         the step clock restarts after it."""
+        if name not in self.floors:
+            raise ValueError(f"{name!r} is not a phase with its own budget: {PHASES[2:]}")
         if not self.enabled:
             yield
             return
@@ -182,7 +211,11 @@ class Watchdog:
         self._stop.set()
         self._thread.join()
         self._thread = None
+        if self._progress is not None:
+            os.close(self._progress)
+            self._progress = None
         (self.folder / f"beat_rank{self.rank}.json").unlink(missing_ok=True)
+        (self.folder / f"{STEP_FILE}{self.rank}").unlink(missing_ok=True)
         for folder in (self.folder, self.folder.parent):
             with contextlib.suppress(OSError):
                 folder.rmdir()  # only when empty: an earlier attempt's record stays

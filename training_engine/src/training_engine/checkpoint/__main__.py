@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError
+from ..inference import run_model_spec
 from . import format as fmt
 from . import sharded, ties
 from .export_hf import export_hf
@@ -50,7 +51,7 @@ def _cli_list(path: Path) -> int:
         return 1
     print(f"{'checkpoint':<16} {'step':>8} {'epoch':>6} {'size MB':>8}  status  metrics")
     for ckpt in ckpts:
-        problem = verify_checkpoint(ckpt)
+        problem = verify_checkpoint(ckpt, run_model_spec(ckpt))
         size = sum(os.lstat(f"{top}/{n}").st_size for top, _, names in os.walk(ckpt) for n in names)
         size /= 2**20
         try:
@@ -76,7 +77,7 @@ def _cli_verify(path: Path) -> int:
         return 1
     bad = 0
     for ckpt in ckpts:
-        problem = verify_checkpoint(ckpt)
+        problem = verify_checkpoint(ckpt, run_model_spec(ckpt))
         bad += problem is not None
         print(
             f"{'OK' if problem is None else 'INVALID':<8} {ckpt}"
@@ -101,7 +102,7 @@ def _cli_export(path: Path, out: Path, best: bool, form: str, trusted: list[str]
     for ckpt in reversed(_best(path) if best else _resolve_many(path)):  # the newest valid one
         try:  # the whole checkpoint, as every reader checks it (format.check_content)
             layout = read_manifest(ckpt).get("layout", "full")
-            verify_files(ckpt, parse=check_content)
+            verify_files(ckpt, parse=check_content, expected=run_model_spec(ckpt, trusted))
             # tied weights are stored once; the export names them in its metadata
             tied = ties.of_checkpoint(verify_files(ckpt, [ties.TIES_FILE], parse=parse_file), ckpt)
         except CheckpointError as err:

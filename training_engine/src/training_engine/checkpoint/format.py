@@ -283,12 +283,19 @@ def verify_files(
     ckpt: Path,
     names: Iterable[str] | None = None,
     parse: Callable[[str, Path], Any] | None = None,
+    expected: Any = None,
 ) -> dict[str, Any]:
     """Check the size and checksum of a checkpoint's files (all, or ``names``)
     against its manifest, and meanwhile parse them with ``parse`` (hashed in
     threads beside the parsing, from memory maps of the same pages the parsing
-    reads, so verification costs little extra time). Raise CheckpointError
-    naming the first bad file; nothing parsed is returned unless every file is intact."""
+    reads, so verification costs little extra time), judging what they hold
+    (judge.py: before anything is hashed, the model file's header against
+    ``expected``, the reader's model (a judge.ModelSpec) if it has one, and every
+    file's size; after parsing, the position, RNG and optimizer states). Raise
+    CheckpointError naming the first bad file; nothing parsed is returned unless
+    every file is intact and holds what it can."""
+    from . import judge  # it reads this module's names
+
     manifest = read_manifest(ckpt)
     files = manifest["files"]
     extra = sorted(n for n in listing(ckpt) if n != MANIFEST and n not in files)
@@ -297,6 +304,7 @@ def verify_files(
     wanted = list(files) if names is None else [n for n in names if n in files]
     for name in wanted:  # every one a regular file of its size before any is opened
         _size_checked(ckpt, name, files[name])
+    judge.before_reading(ckpt, manifest, expected)  # headers and sizes: nothing large read
     parsed: dict[str, Any] = {}
     parse_error: CheckpointError | None = None
     checks = [checksums.threads("hash").submit(_check_file, ckpt, n, files[n]) for n in wanted]
@@ -310,22 +318,16 @@ def verify_files(
         check.result()  # a hash problem explains a parse error: report it first
     if parse_error is not None:
         raise parse_error
-    trainer = parsed.get(TRAINER_STATE)
-    if isinstance(trainer, dict):  # judged by what it holds: the position the manifest names
-        for key in ("step", "epoch", "batch"):
-            if key in manifest and trainer.get(key) != manifest[key]:
-                raise CheckpointError(
-                    f"{ckpt / TRAINER_STATE}: refused: its {key} {trainer.get(key)!r} is not "
-                    f"the manifest's {manifest[key]!r}"
-                )
+    judge.after_parsing(ckpt, manifest, parsed, expected)  # what the files hold, together
     return parsed
 
 
-def verify_checkpoint(ckpt: Path) -> str | None:
+def verify_checkpoint(ckpt: Path, expected: Any = None) -> str | None:
     """None when valid, else the reason (naming the file): every file's size and
-    checksum, and what every reader checks of its content (``check_content``)."""
+    checksum, and what every reader checks of its content (``check_content``,
+    judge.py; ``expected``: the model it must fit, a judge.ModelSpec, if known)."""
     try:
-        verify_files(ckpt, parse=check_content)
+        verify_files(ckpt, parse=check_content, expected=expected)
     except CheckpointError as err:
         return str(err)
     return None
@@ -334,13 +336,15 @@ def verify_checkpoint(ckpt: Path) -> str | None:
 def check_content(name: str, path: Path) -> Any:
     """What makes a checkpoint valid beyond its checksums, the same for every reader
     (resume, eval, load_model, the CLI): its JSON files parse and hold what they
-    must (JSON_CHECKS; returned, for the checks across files of ``verify_files``),
-    its safetensors headers parse. Pickled files are checked when loaded
-    (weights_only)."""
+    must (JSON_CHECKS), its safetensors headers parse, its own torch files load
+    weights-only (memory-mapped, not copied); returned, for judge.after_parsing.
+    DeepSpeed's files (deepspeed/) are checked when a resume loads them (zero.py)."""
     if name.endswith(".json"):
         return parse_file(name, path)
     if name.endswith(".safetensors"):
         check_safetensors_header(path)
+    if name.endswith(".pt") and "/" not in name:
+        return load_tensors_safely(path, str(path), owned=False)
     return None
 
 
@@ -356,15 +360,20 @@ def check_safetensors_header(path: Path) -> None:
         raise CheckpointError(f"{path}: refused: not a safetensors file ({err})") from err
 
 
-def load_tensors_safely(source: Path | bytes, name: str) -> Any:
+def load_tensors_safely(source: Path | bytes, name: str, owned: bool = True) -> Any:
     """``torch.load(weights_only=True)``: tensors and plain containers only. A
-    pickle that would build any other object (e.g. run code) is refused. A
-    path is memory-mapped and its tensors copied out once (``_owned``): the
-    bytes come from the page cache the hashing thread reads, not a second read."""
+    pickle that would build any other object (e.g. run code) is refused, and so is
+    a file with a compressed record (judge.stored_records: it would inflate past its
+    size). A path is memory-mapped and (``owned``) its tensors copied out once
+    (``_owned``): the bytes come from the page cache the hashing thread reads."""
+    from .judge import stored_records
+
+    stored_records(source, name)
     try:
         if isinstance(source, bytes | bytearray):
             return torch.load(io.BytesIO(source), map_location="cpu", weights_only=True)
-        return _owned(torch.load(source, map_location="cpu", weights_only=True, mmap=True))
+        loaded = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
+        return _owned(loaded) if owned else loaded
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
         raise CheckpointError(

@@ -21,7 +21,7 @@ from safetensors.torch import save as save_safetensors
 from torch.nn import DataParallel
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import trust, upstream
+from .. import moments, trust, upstream
 from ..files import fsync_dir, temporary, write_durable
 from ..optimizers import inner_optimizers
 from . import checksums, save, sharded, ties, zero
@@ -119,27 +119,6 @@ def optimizer_state(accelerator: Any, model: torch.nn.Module, optimizer: Any) ->
     )
 
 
-def weights_misfit(plain: torch.nn.Module, state: dict[str, torch.Tensor]) -> str | None:
-    """Why a checkpoint's full weights (``state``) do not fit ``plain``: names it lacks
-    or does not have, shapes that differ; None when they fit. Asked before anything is
-    loaded, so that a checkpoint is judged by what it holds (a forged one whose
-    checksums were rewritten, or one of a model whose code changed since) and not by
-    load_state_dict's traceback once the run has started."""
-    expected = {k: tuple(v.shape) for k, v in plain.state_dict().items()}
-    state = ties.restore(state, ties.find(plain))
-    problems = [f"lacks {k}" for k in sorted(set(expected) - set(state))]
-    problems += [f"has {k}, which this model does not" for k in sorted(set(state) - set(expected))]
-    problems += [
-        f"{k} is {list(state[k].shape)}, this model's {list(expected[k])}"
-        for k in sorted(set(expected) & set(state))
-        if tuple(state[k].shape) != expected[k]
-    ]
-    if not problems:
-        return None
-    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-    return "; ".join(problems[:3]) + more
-
-
 def load_model_and_optimizer(
     accelerator: Any,
     model: torch.nn.Module,
@@ -184,9 +163,13 @@ def save_final_weights(
     if accelerator.is_main_process:  # atomic: a crash leaves the old file or none
         final = Path(run_dir) / fmt.MODEL
         data = save_safetensors(save.unshared(ties.drop_aliases(state, tied)), metadata=metadata)
-        write_durable(temporary(final), data)
-        save.pause_point("final_weights")  # the tests' SIGKILL: written, not renamed
-        os.replace(temporary(final), final)
+        try:
+            write_durable(temporary(final), data)
+            moments.reached("final_weights")  # written, not renamed
+            os.replace(temporary(final), final)
+        except OSError:
+            temporary(final).unlink(missing_ok=True)  # a full disk: nothing half-written left
+            raise
         fsync_dir(final.parent)
         entry = checksums.file_entry(data)
     accelerator.wait_for_everyone()

@@ -318,8 +318,10 @@ class CheckpointManager:
             self.layout, acc, self.state.model, self.state.optimizer
         )
         blobs.update(extra)
+        # on every rank: an extra's state may be gathered (the log window's sums)
+        extras = {n: obj.state_dict() for n, obj in self.state.stateful.items()}
         if acc.is_main_process:
-            blobs.update(self._small_files(step, epoch, batch, best))
+            blobs.update(self._small_files(step, epoch, batch, best, extras))
         job = save.SaveJob(
             name=name,
             step=step,
@@ -354,11 +356,10 @@ class CheckpointManager:
         return job
 
     def _small_files(
-        self, step: int, epoch: int, batch: int, best: dict[str, Any] | None
+        self, step: int, epoch: int, batch: int, best: dict[str, Any] | None, extras: dict
     ) -> dict[str, bytes | memoryview]:
         # Stateful extras: JSON-able dicts go into trainer_state.json, dicts of
         # tensors (e.g. EMA weights) into <name>.safetensors.
-        extras = {n: obj.state_dict() for n, obj in self.state.stateful.items()}
         tensor_extras = {
             n: s for n, s in extras.items() if s and all(torch.is_tensor(v) for v in s.values())
         }

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from ..config import allowed_config_changes, config_differences
-from . import elastic, folder, sharded, ties, zero
+from . import elastic, folder, judge, sharded, zero
 from . import format as fmt
 from .format import CheckpointError, ConfigMismatch
-from .full_state import plain_model, weights_misfit
+from .full_state import plain_model
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +59,21 @@ class ResumePlan:
 
 
 def verify(
-    ckpt: Path, *, config: dict[str, Any], accelerator: Any, model: Any = None
+    ckpt: Path,
+    *,
+    config: dict[str, Any],
+    accelerator: Any,
+    model: Any = None,
+    optimizer: Any = None,
 ) -> tuple[dict, dict]:
     """(manifest, parsed files) of ``ckpt`` as this rank loads it: every file's size
-    and checksum against the manifest, the trainer state's shape, the config
-    compared with this run's, and (given the ``model``, full layout) its weights'
-    names and shapes against the model's. CheckpointError for a damaged one; ConfigMismatch
-    for one of a run whose model, data or optimization differ; ConfigError (exit 2)
-    for DeepSpeed's files on another world size or parallel mode (zero.py)."""
+    and checksum against the manifest, what they hold judged (judge.py), the config
+    compared with this run's, and (given the ``model`` and ``optimizer``, full layout)
+    its weights' names, shapes and dtypes against the model's before anything is read,
+    its optimizer state's tensors against the live optimizer's parameters. CheckpointError
+    for a damaged or forged one; ConfigMismatch for one of a run whose model, data or
+    optimization differ; ConfigError (exit 2) for DeepSpeed's files on another world
+    size or parallel mode (zero.py)."""
     manifest = fmt.read_manifest(ckpt)
     fmt.check_format(ckpt, manifest)  # a later release's format: exit 2, not "corrupt"
     zero.check_resumable(ckpt, manifest, accelerator)
@@ -76,7 +83,10 @@ def verify(
     names = [n for n in manifest["files"] if not n.startswith(fmt.RNG_PREFIX)] + [rng_name]
     # DeepSpeed's files: the ones this rank loads (each rank checks its own)
     names = [n for n in names if not zero.is_own(n) or zero.loaded_by(n, rank)]
-    files = fmt.verify_files(ckpt, names, parse=_parse)  # every shard, every rank
+    full = manifest.get("layout", "full") == "full" and model is not None
+    plain = plain_model(accelerator, model) if full else None
+    expected = judge.ModelSpec.of(plain) if full else None
+    files = fmt.verify_files(ckpt, names, parse=_parse, expected=expected)  # every rank
     allowed = allowed_config_changes(config)
     diffs = config_differences(files[fmt.CONFIG], config, allowed)
     if diffs:
@@ -86,11 +96,10 @@ def verify(
             "Start a new run (another run_name, or checkpoint.resume=never), or put "
             "the keys back. Allowed to change: " + ", ".join(allowed)
         )
-    if model is not None and manifest.get("layout", "full") == "full":
-        weights = ties.restore(files[fmt.MODEL], ties.of_checkpoint(files, ckpt))
-        misfit = weights_misfit(plain_model(accelerator, model), weights)
-        if misfit:
-            raise CheckpointError(f"{ckpt}: its weights do not fit this model: {misfit}")
+    if full and optimizer is not None:  # before load_state_dict, which takes any shape
+        problem = judge.optimizer_problem(files[fmt.OPTIMIZER], judge.live_shapes(optimizer, plain))
+        if problem:
+            raise CheckpointError(f"{ckpt / fmt.OPTIMIZER}: refused: {problem}")
     return manifest, files
 
 
@@ -108,6 +117,7 @@ def plan_resume(
     accelerator: Any,
     configured: int,
     model: Any = None,
+    optimizer: Any = None,
 ) -> ResumePlan:
     """The plan for ``checkpoint.resume`` (``cfg.checkpoint``); sets the planned
     accumulation on ``accelerator``. A collective when there are checkpoints.
@@ -143,14 +153,14 @@ def plan_resume(
         if mode == "auto" and not found:
             log.info(f"no checkpoint in {own_dir}: starting from scratch")
         else:
-            plan = _agreed(found, mode, own_dir, config, accelerator, model)
+            plan = _agreed(found, mode, own_dir, config, accelerator, (model, optimizer))
             plan = _with_accumulation(plan, accelerator.num_processes, configured)
     accelerator.gradient_accumulation_steps = plan.grad_accum
     return plan
 
 
 def _agreed(
-    found: list[Path], mode: str, own_dir: Path, config: dict, accelerator: Any, model: Any
+    found: list[Path], mode: str, own_dir: Path, config: dict, accelerator: Any, live: tuple
 ) -> ResumePlan:
     """The newest of ``found`` that verifies on every rank: each rank takes its newest
     valid one at or below the agreed bound, the bound becomes the oldest taken,
@@ -159,7 +169,7 @@ def _agreed(
     problems: list[str] = []
     bound, taken = None, None
     while True:
-        taken = _first_valid(newest_first, bound, own_dir, config, accelerator, model, problems)
+        taken = _first_valid(newest_first, bound, own_dir, config, accelerator, live, problems)
         mine = folder.step_of(taken[0]) if taken else -1
         steps = _gather(accelerator, mine)
         bound = min(steps)
@@ -184,14 +194,17 @@ def _first_valid(
     own_dir: Path,
     config: dict,
     accelerator: Any,
-    model: Any,
+    live: tuple,
     problems: list[str],
 ) -> tuple[Path, dict, dict] | None:
     for ckpt in newest_first:
         if bound is not None and folder.step_of(ckpt) > bound:
             continue
         try:
-            manifest, files = verify(ckpt, config=config, accelerator=accelerator, model=model)
+            model, optimizer = live
+            manifest, files = verify(
+                ckpt, config=config, accelerator=accelerator, model=model, optimizer=optimizer
+            )
         except ConfigMismatch as err:
             # Another run's checkpoint (checkpoint.resume=PATH): no fallback fixes that.
             # One of this run's own that disagrees with the run (its config.json was

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .. import disk
+from .. import disk, moments
 from ..files import fsync_dir, write_durable, write_json_atomic
 from . import folder
 from . import format as fmt
@@ -33,14 +33,6 @@ from .checksums import HashingWriter, threads
 from .format import CheckpointError
 
 log = logging.getLogger(__name__)
-
-
-def pause_point(point: str, step: int | None = None) -> None:
-    """A no-op called at the moments of a save a crash is tested at
-    (``between_files``, ``before_rename``, ``before_pointers``, ``pruning``; and
-    ``final_weights``: the run's ``model.safetensors`` written, not yet renamed).
-    The fault-injection tests replace it (tests/train_with_faults.py) to pause
-    there and SIGKILL the process; production code never does anything here."""
 
 
 @dataclass
@@ -228,7 +220,7 @@ def write_error(job: SaveJob, failed: Exception) -> CheckpointError:
 
 def write_pointers(root: Path, step: int, new_best: dict[str, Any] | None) -> None:
     """``latest.json`` (and ``best.json`` for a new best), replaced atomically."""
-    pause_point("before_pointers", step)
+    moments.reached("before_pointers", step)
     pointer = {"step": step, "path": folder.checkpoint_name(step)}
     write_json_atomic(root / fmt.LATEST, pointer)
     if new_best is not None:
@@ -243,7 +235,7 @@ def prune(root: Path, step: int, keep_last: int, best_step: int | None) -> None:
     for ckpt in folder.to_prune(folder.committed_checkpoints(root), keep_last, best_step):
         doomed = ckpt.with_name(f"{ckpt.name}.pruned.tmp")
         os.replace(ckpt, doomed)
-        pause_point("pruning", step)
+        moments.reached("pruning", step)
         threads("io").submit(shutil.rmtree, doomed, ignore_errors=True)
 
 
@@ -378,7 +370,7 @@ def write_main_files(
             lambda out: write_safetensors(out, unshared(model_state), {"step": str(step)}),
         )
     }
-    pause_point("between_files", step)  # the model file written or in flight
+    moments.reached("between_files", step)  # the model file written or in flight
     if optimizer_state is not None:  # DeepSpeed: its own files hold the optimizer (zero.py)
         futures[fmt.OPTIMIZER] = writers.submit(
             write, fmt.OPTIMIZER, lambda out: torch_save(optimizer_state, out)
@@ -396,7 +388,7 @@ def commit(
     manifest = {**manifest, "files": dict(sorted(files.items()))}
     write_durable(tmp / fmt.MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
     fsync_dir(tmp)
-    pause_point("before_rename", manifest["step"])
+    moments.reached("before_rename", manifest["step"])
     if final.exists():  # the same step again (e.g. after a fallback)
         old = final.with_name(f"{final.name}.replaced.tmp")
         os.replace(final, old)

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from .. import upstream
+from .. import moments, upstream
 from ..optimizers import inner_optimizers
 from . import format as fmt
-from . import full_state, save, ties
+from . import full_state, ties
 from .format import SHARD_DIRS, CheckpointError
 
 MODEL_DIR, OPTIMIZER_DIR = SHARD_DIRS
@@ -90,7 +90,7 @@ def write(tmp: Path, model_sd: dict[str, Any], optim_tensors: dict[str, Any], st
         except CheckpointException as err:
             raise write_failure(directory, err) from err
         if directory == MODEL_DIR:
-            save.pause_point("between_files", step)
+            moments.reached("between_files", step)
 
 
 def write_failure(directory: str, err: Any) -> OSError | CheckpointError:

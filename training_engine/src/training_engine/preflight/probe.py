@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from .. import moments
 from ..agreement import StepAgreement
 from ..checkpoint import CheckpointError, CheckpointManager
 from ..checkpoint import format as fmt
@@ -93,6 +94,8 @@ def round_trip_and_timing(
         why = f"no restore point, so no steps were run: {err}"
         fail = Check("checkpoint", "fail", f"could not save the starting state: {err}")
         return RoundTrip(fail, Timing(error=why), save_error=str(err))
+
+    moments.reached("preflight", start_step)  # the restore point saved; no timed step yet
 
     with _accumulation_phase_kept(acc):
         with _loaders_untouched(state.train_loader, state.val_loader):

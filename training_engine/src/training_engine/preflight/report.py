@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import logging
+import random
 import shutil
 import time
 from collections.abc import Callable
@@ -150,6 +151,8 @@ def _with_fix(check: Check) -> str:
 
 def _table(report: dict[str, Any]) -> str:
     """The checks as a rich table, rendered to plain text for the log."""
+    drawn = random.getstate()  # rich, imported and used here, draws from python's global
+    # RNG: the run's random numbers must not depend on preflight being on
     from rich.console import Console
     from rich.table import Table
 
@@ -178,4 +181,5 @@ def _table(report: dict[str, Any]) -> str:
             ]
         )
     )
+    random.setstate(drawn)
     return out.getvalue().rstrip()
