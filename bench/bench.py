@@ -41,7 +41,7 @@ save_ratio          our save (atomic protocol, xxh3 checksums, fsync, manifest, 
                     disk (``save_vs_raw_ratio``: against torch.save without fsync)
 load_ratio          our load (every checksum verified, weights_only, applied) /             <= 1.15
                     torch.load + load_state_dict of the same state
-async_block_ratio   time ``save`` blocks training with ``checkpoint.async=true`` / without  <= 0.25
+async_block_ratio   time ``save`` blocks training, ``checkpoint.async_save=true`` / false    <= 0.25
 log_overhead        1 - steps/s with ``tracker=[--trackers]`` / with ``tracker=none``:      <= 0.01
                     in one process, the loop's step and log step (every 10 steps) in
                     alternating blocks with and without ``accelerator.log``

@@ -39,7 +39,7 @@ def bench_checkpoint(args, config: dict, work: Path, results: dict) -> None:
     def manager(asynchronous: bool) -> CheckpointManager:
         settings = {"enabled": True, "keep_last": 2, "save_on_signal": False}
         return CheckpointManager(
-            checkpoint={**settings, "async": asynchronous},
+            checkpoint={**settings, "async_save": asynchronous},
             config=OmegaConf.to_container(cfg, resolve=True),
             run_dir=work / ("async" if asynchronous else "sync"),
             accelerator=accelerator,

@@ -159,7 +159,8 @@ def manager(tmp_path: Path, batches: int = 10, **checkpoint) -> CheckpointManage
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     state = TrainState(model, optimizer, scheduler, train_loader=[None] * batches, val_loader=[])
     return CheckpointManager(
-        checkpoint={"enabled": True, **checkpoint},
+        # the keys not given are the schema's defaults; no best rule unless given
+        checkpoint={"enabled": True, "save_best": {"enabled": False}, **checkpoint},
         config={"seed": 0},
         run_dir=tmp_path,
         accelerator=Accelerator(cpu=True),

@@ -148,7 +148,7 @@ def test_wrap_classes_name_the_units_and_bad_values_are_refused(compose_cfg):
         "parallel.wrap_classes=Block": "wrap_classes='Block' is not allowed: expected null",
         "parallel.wrap_classes=[]": "parallel.wrap_classes=[] is not allowed",
         "parallel.auto_wrap_min_params=0": "parallel.auto_wrap_min_params=0 is not allowed",
-        "parallel.activation_checkpointing=1": "activation_checkpointing=1 is not allowed",
+        "parallel.activation_checkpointing=often": "activation_checkpointing='often' is not",
         "parallel.cpu_offload=maybe": "parallel.cpu_offload='maybe' is not allowed",
     }.items():
         with pytest.raises(ConfigError, match=expected.replace("[", r"\[").replace("]", r"\]")):

@@ -32,7 +32,7 @@ from .test_checkpoint import (
     wait_until,
 )
 
-ASYNC = "checkpoint.async=true"
+ASYNC = "checkpoint.async_save=true"
 KEEP_ALL = "checkpoint.keep_last=100"  # every checkpoint stays, to compare them all
 # A GPT small enough to train a few dozen steps on a CPU in seconds.
 TINY_GPT = [
@@ -236,8 +236,10 @@ def test_new_config_values_are_checked(compose_cfg):
             instantiate(cfg.model)
         assert message in str(err.value)
     cases = {
-        ("checkpoint.async=maybe",): "checkpoint.async='maybe' is not allowed: expected true or",
-        ("trainer.compile=1",): "trainer.compile=1 is not allowed: expected true or false",
+        ("checkpoint.async_save=maybe",): "checkpoint.async_save='maybe' is not allowed: "
+        "expected true or",
+        ("trainer.compile=sometimes",): "trainer.compile='sometimes' is not allowed: expected "
+        "true or false",
         ("trainer.peak_tflops=0",): "trainer.peak_tflops=0 is not allowed: expected a number > 0",
     }
     for overrides, message in cases.items():

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from hydra_plugins.training_engine_k8s import manifest
 from training_engine.config import ConfigError
 from training_engine.launch import adopt_pet_env
+from training_engine.schema import Parallel
 
 from .conftest import CONFIG_FILES, ENV, PROJECT_ROOT, fingerprints, wait_for
 from .test_k8s import manifests, render
@@ -27,7 +28,11 @@ from .test_k8s import manifests, render
 
 
 def _parallel(mode: str = "ddp"):
-    cfg = OmegaConf.load(CONFIG_FILES["parallel", "ddp" if mode != "none" else "none"])
+    """The parallel group as ``parallel=ddp`` (or none) makes it: its preset over its
+    schema (the preset sets only what differs from the schema's defaults)."""
+    preset = OmegaConf.load(CONFIG_FILES["parallel", "ddp" if mode != "none" else "none"])
+    preset.pop("defaults")
+    cfg = OmegaConf.merge(OmegaConf.structured(Parallel), preset)
     cfg.mode = mode
     OmegaConf.set_struct(cfg, True)
     return cfg

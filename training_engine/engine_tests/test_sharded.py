@@ -181,7 +181,7 @@ class Payload:
 def test_sharded_fsdp_checkpoints_hold_no_pickle_export_and_refuse_tampering(tmp_path):
     run_dir = tmp_path / "run"
     args = [*COMMON, "trainer.max_steps=15", "checkpoint.every_n_steps=5"]
-    train(run_dir, *args, *FSDP, "checkpoint.async=true", "checkpoint.keep_last=3")
+    train(run_dir, *args, *FSDP, "checkpoint.async_save=true", "checkpoint.keep_last=3")
     ckpts = folder.committed_checkpoints(run_dir / "checkpoints")
     assert [c.name for c in ckpts] == ["step_0000005", "step_0000010", "step_0000015"]
 

@@ -23,8 +23,9 @@ from accelerate.utils import (
 from omegaconf import DictConfig
 
 from . import fsdp, upstream
-from .config import PARALLEL_MODES, ConfigError
+from .config import ConfigError
 from .launch import LaunchError, expected_world_size, under_launcher
+from .schema import PARALLEL_MODES
 from .tracking import build_trackers
 
 log = logging.getLogger(__name__)
@@ -86,12 +87,12 @@ def build_accelerator(cfg: DictConfig, run_dir: Path) -> Accelerator:
             use_seedable_sampler=True, data_seed=cfg.seed, non_blocking=True
         ),
         # trainer.compile: prepare() wraps the model in torch.compile (inductor).
-        dynamo_backend="inductor" if cfg.trainer.get("compile", False) else "no",
+        dynamo_backend="inductor" if cfg.trainer.compile else "no",
     )
     if accelerator.is_main_process:  # the precision in use, whether chosen or given
         given = cfg.trainer.mixed_precision
         log.info(f"trainer.mixed_precision={given}: {precision} ({why or 'as given'})")
-        if cfg.trainer.get("compile", False):
+        if cfg.trainer.compile:
             log.info(
                 "trainer.compile=true: torch.compile (inductor) compiles at the first step, "
                 f"which may take minutes{' on a CPU' if on_cpu else ''}"
@@ -183,11 +184,11 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 def _backend(p: DictConfig, on_cpu: bool) -> str:
     """gloo on CPU (NCCL needs GPUs); FSDP's CPU offload on GPUs also needs gloo
     for the collectives on its CPU tensors (clip_grad_norm_ of offloaded gradients)."""
-    if p.get("backend", "auto") != "auto":
+    if p.backend != "auto":
         return p.backend
     if on_cpu:
         return "gloo"
-    return "cpu:gloo,cuda:nccl" if p.mode == "fsdp" and p.get("cpu_offload") else "nccl"
+    return "cpu:gloo,cuda:nccl" if p.mode == "fsdp" and p.cpu_offload else "nccl"
 
 
 def _fsdp_plugin(p: DictConfig, on_cpu: bool, precision: str) -> FullyShardedDataParallelPlugin:
@@ -230,7 +231,7 @@ def _deepspeed_plugin(cfg: DictConfig) -> DeepSpeedPlugin:
         # process) for model.safetensors and every checkpoint's (full_state.model_state)
         zero3_save_16bit_model=True,
         # built whole from the seed, then partitioned: the initial model of every mode
-        zero3_init_flag=bool(p.get("zero3_init", False)),
+        zero3_init_flag=p.zero3_init,
     )
 
 

@@ -120,7 +120,7 @@ def inspect(run_dir: Path, cfg: DictConfig) -> Decision:
             + "): a new run does not write into it. Use another run_name (or hydra.run.dir) "
             "for a new run, or put those keys back to continue that one"
         )
-    if cfg.checkpoint.get("resume") == "never":
+    if cfg.checkpoint.resume == "never":
         raise RunDirError(
             f"checkpoint.resume=never, but {run_dir} already holds a run of this config: "
             "starting over in it would mix two runs. Use another run_name (or hydra.run.dir), "
@@ -135,9 +135,9 @@ def inspect(run_dir: Path, cfg: DictConfig) -> Decision:
         problem = final_weights_problem(run_dir, summary.get("final_weights"))
         if problem is None:
             return Decision("finished", summary)
-        log.warning(_cut_short(problem, checkpoints=cfg.checkpoint.get("enabled", False)))
+        log.warning(_cut_short(problem, checkpoints=cfg.checkpoint.enabled))
         return Decision("continue")
-    if not (cfg.checkpoint.get("enabled", False) and (run_dir / "checkpoints").is_dir()):
+    if not (cfg.checkpoint.enabled and (run_dir / "checkpoints").is_dir()):
         raise RunDirError(
             f"{run_dir} holds a finished run without checkpoints (checkpoint=none), so it "
             "cannot continue to the new trainer.max_steps/max_epochs: use another run_name"

@@ -1,21 +1,22 @@
-"""The config: resolvers, resolution, value checks of the infrastructure's own keys,
-and which keys may change when a run resumes (docs/configuration.md).
+"""The config: resolvers, resolution, the checks of a resolved config, and which keys
+may change when a run resumes (docs/configuration.md).
 
-Hydra rejects unknown options and keys (struct mode); ``check_config`` checks
-values, naming key, value and what is allowed. The example model and data check
-their own arguments (``require``) in their constructors.
+The engine's keys are declared in schema/ (type, default, doc, allowed values): Hydra
+composes each of its groups on its schema, so an unknown key or a value of the wrong
+type stops there (entry.py says which), and ``check_config`` checks the values, naming
+key, value and what is allowed, plus what spans several groups. Everything else checks
+its own arguments when it is built (``require``): the project's models and data, the
+schedules; torch's optimizers check theirs (``instantiate`` names the group).
 """
 
 import json
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, MissingMandatoryValue, OmegaConf
+from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
-MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
-PARALLEL_MODES = ("none", "ddp", "fsdp", "deepspeed")
 # Data keys named like paths (``path``, ``train_file``, ``data_dir``, ``root`` ...)
 # must exist: a missing file is reported with its path before any work. Caches are
 # written, not read (``cache_dir``), and a glob (``files: corpus/*.txt``) is the data
@@ -86,10 +87,15 @@ def tokenizer_vocab(path: str | None) -> int:
 
 def resolve_config(cfg: DictConfig) -> DictConfig:
     """A fully resolved copy with no ``${...}`` left and no link to Hydra, in
-    struct mode so a typo in a key still fails loudly. An interpolation that cannot
-    be resolved is a ConfigError naming the key, what it reads and what is there."""
+    struct mode so a typo in a key still fails loudly, every engine group complete
+    (schema.complete: a group composed without its schema gets its defaults). An
+    interpolation that cannot be resolved is a ConfigError naming the key, what it
+    reads and what is there."""
     from omegaconf.errors import InterpolationResolutionError
 
+    from .schema import complete
+
+    cfg = complete(cfg)
     try:
         container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except InterpolationResolutionError as err:
@@ -156,7 +162,35 @@ def instantiate(node: Any, what: str = "config", **kwargs: Any) -> Any:
             raise ConfigError(f"{what}: no such file or directory: {cause.filename}") from err
         detail = str(cause) if cause is not None else str(err).splitlines()[0]
         target = node.get("_target_") if hasattr(node, "get") else node
-        raise ConfigError(f"{what}: cannot build {target}: {detail}") from err
+        raise ConfigError(f"{what}: cannot build {target}{_arguments(node)}: {detail}") from err
+
+
+def instantiate_partial(node: Any, what: str, *args: Any, **kwargs: Any) -> Any:
+    """``instantiate(node, what)(*args, **kwargs)`` for a ``_partial_: true`` target (an
+    optimizer over the task's parameter groups, a schedule over the optimizer): the
+    arguments are judged by the call (torch's optimizers check theirs), so its
+    ValueError or TypeError is a ConfigError too, naming the group and its arguments."""
+    built = instantiate(node, what)
+    try:
+        return built(*args, **kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as err:
+        target = node.get("_target_") if hasattr(node, "get") else node
+        raise ConfigError(f"{what}: cannot build {target}{_arguments(node)}: {err}") from err
+
+
+def _arguments(node: Any) -> str:
+    """``(lr=-0.1, weight_decay=0.01)``: a node's own scalar arguments, for the message
+    of a target that refused them (torch's optimizers say the value, not the key)."""
+    if not isinstance(node, DictConfig | dict):
+        return ""
+    shown = [
+        f"{key}={value!r}"
+        for key, value in node.items()
+        if not str(key).startswith("_") and isinstance(value, bool | int | float | str)
+    ]
+    return f"({', '.join(shown[:8])}{', ...' if len(shown) > 8 else ''})" if shown else ""
 
 
 def flatten_config(tree: Any, prefix: str = "") -> dict[str, str | int | float | bool]:
@@ -173,178 +207,7 @@ def flatten_config(tree: Any, prefix: str = "") -> dict[str, str | int | float |
     return {key: str(tree)}
 
 
-# --- value checks -----------------------------------------------------------------------
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
-def _positive_int(v: Any) -> bool:
-    return _is_int(v) and v >= 1
-
-
-def _optional_positive_int(v: Any) -> bool:
-    return v is None or _positive_int(v)
-
-
-def _non_negative_int(v: Any) -> bool:
-    return _is_int(v) and v >= 0
-
-
-def _positive_number(v: Any) -> bool:
-    return _is_number(v) and v > 0
-
-
-def _optional_positive_number(v: Any) -> bool:
-    return v is None or _positive_number(v)
-
-
-def _non_negative_number(v: Any) -> bool:
-    return _is_number(v) and v >= 0
-
-
-def _fraction(v: Any) -> bool:
-    return _is_number(v) and 0 < v < 1
-
-
-def _seed(v: Any) -> bool:
-    return _is_int(v) and 0 <= v < 2**32
-
-
-def _bool(v: Any) -> bool:
-    return isinstance(v, bool)
-
-
-def _resume(v: Any) -> bool:
-    # auto | never | an existing run dir, checkpoints/ dir or checkpoint dir
-    return v in ("auto", "never") or (isinstance(v, str) and v != "" and Path(v).is_dir())
-
-
-def _num_processes(v: Any) -> bool:
-    return v == "auto" or _positive_int(v)
-
-
-def _port(v: Any) -> bool:
-    return v is None or (_is_int(v) and 1 <= v <= 65535)
-
-
-def _module_names(v: Any) -> bool:
-    return isinstance(v, list | ListConfig) and all(
-        isinstance(m, str) and all(part.isidentifier() for part in m.split(".")) for m in v
-    )
-
-
-def _class_names(v: Any) -> bool:
-    names = list(v) if isinstance(v, list | tuple | ListConfig) else None
-    return v is None or (
-        bool(names) and all(isinstance(n, str) and n.isidentifier() for n in names)
-    )
-
-
-def _mixed_precision(v: Any) -> bool:
-    # YAML reads an unquoted `no` as false; accept it as "no".
-    return v is False or v in MIXED_PRECISION
-
-
-RULES: list[tuple[str, Callable[[Any], bool], str]] = [
-    ("seed", _seed, "an integer in [0, 2**32)"),
-    ("trusted_targets", _module_names, "a list of module names (e.g. [mylib.models])"),
-    ("deterministic", lambda v: isinstance(v, bool), "true or false"),
-    ("optimizer.lr", _positive_number, "a number > 0"),
-    ("optimizer.weight_decay", _non_negative_number, "a number >= 0"),
-    ("optimizer.momentum", _non_negative_number, "a number >= 0"),
-    ("parallel.mode", lambda v: v in PARALLEL_MODES, "one of " + ", ".join(PARALLEL_MODES)),
-    ("parallel.num_processes", _num_processes, "auto or an integer >= 1 (processes per node)"),
-    ("parallel.cpu_processes", _positive_int, "an integer >= 1 (what auto means without GPUs)"),
-    ("parallel.num_nodes", _positive_int, "an integer >= 1"),
-    ("parallel.node_rank", _non_negative_int, "an integer >= 0 (below parallel.num_nodes)"),
-    ("parallel.master_port", _port, "null or a port number in 1..65535"),
-    ("parallel.backend", lambda v: v in ("auto", "gloo", "nccl"), "auto, gloo or nccl"),
-    ("parallel.timeout_s", _positive_number, "a number of seconds > 0"),
-    ("parallel.max_restarts", _non_negative_int, "an integer >= 0 (in-job restarts)"),
-    ("watchdog.enabled", lambda v: v in ("auto", True, False), "auto, true or false"),
-    ("watchdog.first_step_s", _positive_number, "a number of seconds > 0"),
-    ("watchdog.step_floor_s", _positive_number, "a number of seconds > 0"),
-    ("watchdog.step_factor", _positive_number, "a number > 0"),
-    ("watchdog.eval_s", _positive_number, "a number of seconds > 0"),
-    ("watchdog.save_s", _positive_number, "a number of seconds > 0"),
-    ("watchdog.poll_s", _positive_number, "a number of seconds > 0"),
-    (
-        "watchdog.collective_timeout_s",
-        _optional_positive_number,
-        "a number of seconds > 0 or null (keep parallel.timeout_s)",
-    ),
-    ("parallel.wrap_classes", _class_names, "null or a list of class names, e.g. [Block]"),
-    ("parallel.auto_wrap_min_params", _positive_int, "an integer >= 1"),
-    ("parallel.reshard_after_forward", _bool, "true or false"),
-    ("parallel.cpu_offload", _bool, "true or false"),
-    ("parallel.activation_checkpointing", _bool, "true or false"),
-    ("parallel.zero3_init", _bool, "true or false"),
-    ("scheduler.warmup_steps", _non_negative_int, "an integer >= 0"),
-    ("scheduler.min_lr_ratio", lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
-    ("trainer.max_epochs", _optional_positive_int, "an integer >= 1 or null"),
-    ("trainer.max_steps", _optional_positive_int, "an integer >= 1 or null"),
-    ("trainer.grad_accum_steps", _positive_int, "an integer >= 1"),
-    ("trainer.grad_clip_norm", _optional_positive_number, "a number > 0 or null (no clipping)"),
-    ("trainer.mixed_precision", _mixed_precision, "one of " + ", ".join(MIXED_PRECISION)),
-    ("trainer.compile", _bool, "true or false"),
-    ("trainer.eval_at_start", _bool, "true or false"),
-    ("trainer.peak_tflops", _optional_positive_number, "a number > 0 or null"),
-    ("trainer.log_every_n_steps", _positive_int, "an integer >= 1"),
-    ("trainer.eval_every_n_steps", _optional_positive_int, "an integer >= 1 or null (each epoch)"),
-    ("trainer.monitor_mode", lambda v: v in ("min", "max"), "min or max"),
-    ("trainer.on_nan", lambda v: v in ("stop", "skip"), "stop or skip"),
-    ("trainer.skip_budget", _optional_positive_int, "an integer >= 1 or null (no limit)"),
-    ("checkpoint.enabled", _bool, "true or false"),
-    ("checkpoint.every_n_steps", _optional_positive_int, "an integer >= 1 or null"),
-    ("checkpoint.every_n_epochs", _optional_positive_int, "an integer >= 1 or null"),
-    (
-        "checkpoint.keep_last",
-        lambda v: _is_int(v) and v >= 2,
-        "an integer >= 2 (the newest checkpoint may be the one a crash interrupted)",
-    ),
-    ("checkpoint.save_best.enabled", _bool, "true or false"),
-    ("checkpoint.save_best.mode", lambda v: v in ("min", "max"), "min or max"),
-    ("checkpoint.save_last", _bool, "true or false"),
-    (
-        "checkpoint.format",
-        lambda v: v in ("auto", "full", "sharded"),
-        "auto (sharded under FSDP, else full), full or sharded",
-    ),
-    ("checkpoint.save_on_signal", _bool, "true or false"),
-    ("checkpoint.async", _bool, "true or false"),
-    (
-        "checkpoint.resume",
-        _resume,
-        "auto, never, or an existing directory (a run dir, its checkpoints/, or one checkpoint)",
-    ),
-    (
-        "checkpoint.init_from",
-        lambda v: v is None or (_resume(v) and v not in ("auto", "never")),
-        "null or an existing directory (a run dir, its checkpoints/, or one checkpoint)",
-    ),
-    ("checkpoint.init_from_pick", lambda v: v in ("best", "latest"), "best or latest"),
-    ("checkpoint.init_from_weights", lambda v: v in ("raw", "ema"), "raw or ema"),
-    ("checkpoint.init_from_strict", _bool, "true or false"),
-    ("trainer.ema.enabled", _bool, "true or false"),
-    ("trainer.ema.decay", _fraction, "a number between 0 and 1 (exclusive)"),
-    ("trainer.early_stopping.patience", _optional_positive_int, "an integer >= 1 or null (off)"),
-    ("trainer.early_stopping.min_delta", _non_negative_number, "a number >= 0"),
-    ("preflight.enabled", _bool, "true or false"),
-    ("preflight.only", _bool, "true or false"),
-    ("preflight.warmup_steps", _non_negative_int, "an integer >= 0"),
-    ("preflight.timed_steps", _positive_int, "an integer >= 1"),
-    ("preflight.min_timed_seconds", _non_negative_number, "a number >= 0"),
-    ("preflight.eval_batches", _non_negative_int, "an integer >= 0"),
-    ("preflight.disk_test_mib", _positive_int, "an integer >= 1"),
-    ("preflight.memory_warn_fraction", _fraction, "a number between 0 and 1 (exclusive)"),
-    ("preflight.loader_warn_fraction", _fraction, "a number between 0 and 1 (exclusive)"),
-]
+# --- checks of a resolved config ----------------------------------------------------------
 
 
 def _missing_paths(node: Any, prefix: str) -> list[str]:
@@ -369,44 +232,27 @@ def _missing_paths(node: Any, prefix: str) -> list[str]:
 
 
 def check_config(cfg: DictConfig) -> None:
-    """Raise ConfigError naming every bad value at once."""
-    problems = []
-    for key, ok, allowed in RULES:
-        value = OmegaConf.select(cfg, key, default="<absent>", throw_on_missing=True)
-        if value != "<absent>" and not ok(value):
-            problems.append(f"{key}={value!r} is not allowed: expected {allowed}")
-    trainer = cfg.trainer
-    if trainer.max_epochs is None and trainer.max_steps is None:
-        problems.append("trainer.max_epochs and trainer.max_steps are both null: set at least one")
-    p = cfg.get("parallel") or {}
-    node_rank, num_nodes = p.get("node_rank", 0), p.get("num_nodes", 1)
-    if _is_int(node_rank) and _positive_int(num_nodes) and node_rank >= num_nodes:
-        problems.append(
-            f"parallel.node_rank={node_rank} is not allowed: expected 0..{num_nodes - 1} "
-            f"(parallel.num_nodes={num_nodes})"
-        )
-    if _positive_int(num_nodes) and num_nodes > 1 and p.get("master_port") is None:
-        problems.append(
-            f"parallel.master_port=None is not allowed with parallel.num_nodes={num_nodes}: "
-            "every node must name the same port (e.g. parallel.master_port=29500)"
-        )
+    """Raise ConfigError naming every bad value at once: the engine's keys against
+    their schema (each group's own checks, schema/), then what spans several groups."""
+    from .schema import config_problems
+
+    problems = config_problems(cfg)
     problems += _missing_paths(cfg.get("data") or {}, "data")
-    if cfg.preflight.get("only", False) and not cfg.preflight.get("enabled", False):
-        problems.append("preflight.only=true with preflight=off: use preflight=default")
-    ema = (cfg.trainer.get("ema") or {}).get("enabled", False)
-    if ema is True and cfg.parallel.mode in ("fsdp", "deepspeed"):
+    sharded = cfg.parallel.mode in ("fsdp", "deepspeed")
+    if cfg.trainer.ema.enabled is True and sharded:
         # Their parameters are sharded: an average per rank would be of one shard.
         problems.append(
             f"trainer.ema.enabled=true is not supported with parallel={cfg.parallel.mode} "
             "(sharded parameters): use parallel=ddp or none with EMA, or trainer.ema.enabled=false"
         )
-    if cfg.get("optimizers") and cfg.parallel.mode == "deepspeed":
+    optimizers = cfg.get("optimizers")  # absent: config_problems said so
+    if optimizers and cfg.parallel.mode == "deepspeed":
         # One optimizer per DeepSpeed engine (accelerate builds one engine per model).
         problems.append(
-            f"optimizers={sorted(cfg.optimizers)} is not supported with parallel=deepspeed "
+            f"optimizers={sorted(optimizers)} is not supported with parallel=deepspeed "
             "(one optimizer per engine): use parallel=ddp or fsdp, or one optimizer"
         )
-    if cfg.get("optimizers") and cfg.trainer.mixed_precision == "fp16":
+    if optimizers and cfg.trainer.mixed_precision == "fp16":
         problems.append(
             "trainer.mixed_precision=fp16 is not supported with several optimizers (one grad "
             "scaler steps one optimizer here): use bf16 or no"
@@ -495,14 +341,27 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 def config_differences(
     saved: dict, current: dict, allowed: Iterable[str] = ALLOWED_CONFIG_CHANGES
 ) -> list[str]:
-    """``key: old -> new`` for every difference outside ``allowed``."""
-    allowed = tuple(allowed)
+    """``key: old -> new`` for every difference outside ``allowed``. A key of the
+    engine's schema that one config lacks (written before the key existed) counts as
+    its default there: it ran as the default then."""
+    from .schema import defaults
+
+    allowed, known = tuple(allowed), defaults()
     old, new = _flatten(saved), _flatten(current)
+
+    def value(flat: dict[str, Any], key: str) -> Any:
+        if key in flat:
+            return flat[key]
+        default = known.get(key, "<absent>")
+        linked = re.fullmatch(r"\$\{([\w.]+)\}", default) if isinstance(default, str) else None
+        return flat.get(linked.group(1), "<absent>") if linked else default  # ${trainer.monitor}
+
     diffs = []
     for key in sorted(set(old) | set(new)):
-        if old.get(key, "<absent>") == new.get(key, "<absent>"):
+        before, after = value(old, key), value(new, key)
+        if before == after:
             continue
         if any(key == a or key.startswith(a + ".") for a in allowed):
             continue
-        diffs.append(f"{key}: {old.get(key, '<absent>')!r} -> {new.get(key, '<absent>')!r}")
+        diffs.append(f"{key}: {before!r} -> {after!r}")
     return diffs

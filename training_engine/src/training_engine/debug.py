@@ -25,7 +25,8 @@ from torch.utils.data import (
 )
 
 from . import samplers
-from .config import ConfigError, require
+from .config import ConfigError
+from .schema import section
 
 log = logging.getLogger(__name__)
 
@@ -75,35 +76,12 @@ def first_batches(loader: DataLoader, batches: int) -> DataLoader:
 class Debug:
     """The ``debug`` config section; every verb is a no-op for ``debug=none``."""
 
-    def __init__(
-        self,
-        *,
-        train_batches: int | None = None,
-        val_batches: int | None = None,
-        val_on_train: bool = False,
-        detect_anomaly: bool = False,
-        profile: dict | None = None,
-        run_dir: Path,
-        rank: int = 0,
-    ) -> None:
-        for key, value in [("train_batches", train_batches), ("val_batches", val_batches)]:
-            ok = value is None or (
-                isinstance(value, int) and not isinstance(value, bool) and value >= 1
-            )
-            require(f"debug.{key}", value, ok, "an integer >= 1 or null (all)")
-        self.train_batches, self.val_batches = train_batches, val_batches
-        self.val_on_train, self.detect_anomaly = bool(val_on_train), bool(detect_anomaly)
-        self.profile = dict(profile) if profile else None
-        if self.profile:
-            for key in ("wait", "warmup", "active"):
-                value = self.profile.get(key)
-                ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
-                require(
-                    f"debug.profile.{key}",
-                    value,
-                    ok and (key != "active" or value >= 1),
-                    "an integer >= 0 (active: >= 1)",
-                )
+    def __init__(self, settings: Any, *, run_dir: Path, rank: int = 0) -> None:
+        """``settings``: the ``debug`` group (schema/run.py, which checks its values)."""
+        settings = section("debug", settings)
+        self.train_batches, self.val_batches = settings.train_batches, settings.val_batches
+        self.val_on_train, self.detect_anomaly = settings.val_on_train, settings.detect_anomaly
+        self.profile = settings.profile  # None: no profiler; else debug.profile's window
         self.dir = Path(run_dir) / "profile"
         self.rank = rank
         self._profiler: Any = None
@@ -160,15 +138,15 @@ class Debug:
         p = self.profile
         self._profiler = profile(
             activities=activities,
-            schedule=schedule(wait=p["wait"], warmup=p["warmup"], active=p["active"], repeat=1),
+            schedule=schedule(wait=p.wait, warmup=p.warmup, active=p.active, repeat=1),
             on_trace_ready=self._write,
-            record_shapes=bool(p.get("record_shapes", True)),
-            profile_memory=bool(p.get("profile_memory", False)),
+            record_shapes=p.record_shapes,
+            profile_memory=p.profile_memory,
         )
         self._profiler.start()
         log.info(
-            f"debug: profiling steps {p['wait'] + p['warmup'] + 1}.."
-            f"{p['wait'] + p['warmup'] + p['active']} into {self.dir}"
+            f"debug: profiling steps {p.wait + p.warmup + 1}..{p.wait + p.warmup + p.active} "
+            f"into {self.dir}"
         )
 
     def _write(self, prof: Any) -> None:
@@ -177,9 +155,7 @@ class Debug:
         trace = self.dir / f"trace_rank{self.rank}.json"
         prof.export_chrome_trace(str(trace))
         sort_by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-        table = prof.key_averages().table(
-            sort_by=sort_by, row_limit=int(self.profile.get("row_limit", 25))
-        )
+        table = prof.key_averages().table(sort_by=sort_by, row_limit=self.profile.row_limit)
         (self.dir / f"top_ops_rank{self.rank}.txt").write_text(table + "\n")
         log.info(f"debug: profiler trace {trace}, top ops {self.dir}/top_ops_rank{self.rank}.txt")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .config import require
+from . import schema
 
 log = logging.getLogger(__name__)
 
@@ -24,23 +24,13 @@ class EarlyStopping:
     def __init__(
         self,
         *,
-        patience: int | None = None,
-        min_delta: float = 0.0,
+        patience: int | None = schema.EarlyStopping.patience,
+        min_delta: float = schema.EarlyStopping.min_delta,
         monitor: str,
         mode: str,
         book: Any,
     ) -> None:
-        ok = patience is None or (isinstance(patience, int) and not isinstance(patience, bool))
-        require(
-            "trainer.early_stopping.patience",
-            patience,
-            ok and (patience is None or patience >= 1),
-            "an integer >= 1 (evaluations without improvement) or null (off)",
-        )
-        ok = isinstance(min_delta, int | float) and not isinstance(min_delta, bool)
-        require(
-            "trainer.early_stopping.min_delta", min_delta, ok and min_delta >= 0, "a number >= 0"
-        )
+        schema.EarlyStopping(patience=patience, min_delta=min_delta)  # its checks: ConfigError
         self.patience, self.min_delta = patience, float(min_delta)
         self.monitor, self.mode = monitor, mode
         self.book = book

@@ -18,18 +18,17 @@ import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from .checkpoint.full_state import plain_model
-from .config import ConfigError, require
+from .config import ConfigError
+from .schema import section
 
 
 class WeightAverage:
     """``enabled=false``: every verb is a no-op and nothing is saved."""
 
-    def __init__(
-        self, *, enabled: bool = False, decay: float = 0.999, model: Any, accelerator: Any
-    ) -> None:
-        require("trainer.ema.enabled", enabled, isinstance(enabled, bool), "true or false")
-        ok = isinstance(decay, int | float) and not isinstance(decay, bool) and 0 < decay < 1
-        require("trainer.ema.decay", decay, ok, "a number between 0 and 1 (exclusive)")
+    def __init__(self, settings: Any, *, model: Any, accelerator: Any) -> None:
+        """``settings``: the ``trainer.ema`` group (enabled, decay)."""
+        settings = section("trainer.ema", settings)
+        enabled, decay = settings.enabled, settings.decay
         self.enabled = enabled
         self.averaged: AveragedModel | None = None
         if not enabled:
@@ -82,6 +81,6 @@ class WeightAverage:
 def metric_names(ema: Any, metrics: tuple[str, ...]) -> tuple[str, ...]:
     """The metrics ``evaluate`` logs for the config section ``trainer.ema``, of a task
     whose evaluation returns ``metrics``."""
-    if not (ema or {}).get("enabled", False):
+    if not ema.enabled:
         return ()
     return tuple("val_ema/" + name.split("/", 1)[1] for name in metrics)

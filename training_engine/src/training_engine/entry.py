@@ -75,16 +75,25 @@ def command_line_error(err: Exception, config_dir: Path, config_name: str, argv:
     """One line (or two) saying which override is wrong and what is allowed."""
     from hydra.errors import MissingConfigException, OverrideParseException
 
+    from .schema import OPTION, schema_of, type_error
+
     text = str(err)
     if isinstance(err, MissingConfigException):
         found = re.search(r"Could not find '([^']+)/([^']+)'", text)
-        options = ", ".join(sorted(err.options or []))
+        # a group's schema (<group>/schema) is what its options are composed on, not one
+        options = ", ".join(sorted(o for o in err.options or [] if o != OPTION))
         if found:
             group, value = found.groups()
             return f"{group}={value} is not an option: choose one of {options}"
         return text.splitlines()[0]
     if isinstance(err, OverrideParseException):
         return f"cannot read the override {err.override!r}: {text.splitlines()[0]}"
+    cause = err.__cause__
+    if text.startswith("Error merging override") and getattr(cause, "full_key", None):
+        return type_error(cause)  # KEY=VALUE of the wrong type for the engine's schema
+    preset = re.match(r"In '([^']+)': (\w+) raised while composing config:\n", text)
+    if preset:  # a preset that sets a key its schema lacks, or a value of the wrong type
+        return f"{preset.group(1)}.yaml: {_preset_problem(text[preset.end() :])}"
     found = re.search(r"Could not override '([^']+)'", text)
     if not found:
         return " ".join(text.split())
@@ -105,7 +114,27 @@ def command_line_error(err: Exception, config_dir: Path, config_name: str, argv:
     close = closest_keys(key, keys)
     if close:
         message += f": did you mean {' or '.join(close)}?"
+    if schema_of(key.rpartition(".")[0]) is not None:  # the engine's groups declare theirs
+        return message
     return message + f" (to add a new key on purpose: +{key}={value})"
+
+
+def _preset_problem(said: str) -> str:
+    """OmegaConf's message (``Key 'x' not in 'Trainer'``, ``Value 'abc' of type 'str'
+    could not be converted ...``, then ``full_key: K``) as ours."""
+    from .schema import expected, schema_of
+    from .schema.fields import refused, unknown
+
+    key = re.search(r"full_key: (\S+)", said)
+    if key is None:
+        return " ".join(said.split())
+    full_key = key.group(1)
+    parent, _, leaf = full_key.rpartition(".")
+    if re.match(r"Key '[^']+' not in", said):
+        cls = schema_of(parent)
+        return unknown(parent, leaf, list(cls.__dataclass_fields__) if cls else [])
+    value = re.match(r"Value '(.*)' (of type|is not)", said)
+    return refused(full_key, value.group(1) if value else "?", expected(full_key))
 
 
 # The engine's own config groups (a project's configs/train.yaml puts them on Hydra's

@@ -165,7 +165,7 @@ def evaluate(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             run_values(loaded.config), run_values(effective), allowed=()
         ),
     }
-    if cfg.get("predict", False):
+    if cfg.predict:
         written = _write_predictions(cfg, out_dir, accelerator, loaded, loaders, task)
         report["predictions"] = str(written)
     if accelerator.is_main_process:
@@ -202,7 +202,7 @@ def _write_predictions(
     for a language model; sequences as space-separated values). ``gather_for_metrics``
     returns the ranks' batches in dataset order and drops the samples the distributed
     sampler repeated to even out the last batch."""
-    split = cfg.get("split", "val")
+    split = cfg.split
     loader = getattr(loaders, split, None)
     # e.g. split=train (shuffled, or its own sampler): the same samples in dataset
     # order (what the rows' index means), with the loader's collate_fn

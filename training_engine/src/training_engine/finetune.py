@@ -15,6 +15,7 @@ import torch
 
 from .config import ConfigError
 from .inference import read_first_valid
+from .schema import section
 
 log = logging.getLogger(__name__)
 
@@ -36,18 +37,16 @@ def key_report(own: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) ->
 def init_from(checkpoint: Any, *, model: torch.nn.Module) -> dict[str, Any]:
     """Load ``checkpoint.init_from`` into the (unprepared) ``model``; on every
     rank. Returns ``{"init_from": report}`` for summary.json, ``{}`` when unset."""
-    source = checkpoint.get("init_from")
+    checkpoint = section("checkpoint", checkpoint)  # every key (a test may give a few)
+    source = checkpoint.init_from
     if not source:
         return {}
-    pick, weights = (
-        checkpoint.get("init_from_pick", "best"),
-        checkpoint.get("init_from_weights", "raw"),
-    )
+    pick, weights = checkpoint.init_from_pick, checkpoint.init_from_weights
     ckpt, theirs, _ = read_first_valid(source, pick, weights)
     own = model.state_dict()
     report = {"source": str(ckpt), "weights": weights, **key_report(own, theirs)}
     differs = report["missing"] or report["unexpected"] or report["mismatched"]
-    if differs and checkpoint.get("init_from_strict", True):
+    if differs and checkpoint.init_from_strict:
         raise ConfigError(
             f"checkpoint.init_from={source} does not fit the model (init_from_strict=true): "
             f"missing {report['missing']}, unexpected {report['unexpected']}, mismatched "

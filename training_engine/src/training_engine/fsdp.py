@@ -235,11 +235,11 @@ def shard_model(model: nn.Module, *, accelerator: Any, parallel: Any) -> nn.Modu
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    wrap_classes = parallel.get("wrap_classes")
+    wrap_classes = parallel.wrap_classes
     plan = plan_units(
         model,
         wrap_classes=list(wrap_classes) if wrap_classes else None,
-        min_params=int(parallel.auto_wrap_min_params),
+        min_params=parallel.auto_wrap_min_params,
     )
     for skipped in plan.skipped:
         log.warning(f"FSDP: {skipped} is not a unit of its own (it stays in the one around it)")

@@ -89,7 +89,7 @@ def spans_nodes(parallel: DictConfig) -> bool:
         return False
     if under_launcher():
         return int(os.environ.get("WORLD_SIZE", "1")) > int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return parallel.mode != "none" and int(parallel.get("num_nodes", 1)) > 1
+    return parallel.mode != "none" and parallel.num_nodes > 1
 
 
 def runs_alone(parallel: DictConfig) -> bool:
@@ -237,7 +237,7 @@ def _spawn(fn: Callable[[DictConfig, Path], Any], cfg: DictConfig, run_dir: Path
     # ours rather than the agent's own max_restarts: the agent restarts on any exit,
     # a deliberate stop (SIGTERM: saved, exit 143) and a bad config included, and
     # tells no one which rank failed and how; here both are known between attempts.
-    max_restarts = int(p.get("max_restarts", 0))
+    max_restarts = p.max_restarts
     main = p.node_rank == 0  # node 0's launcher writes the run dir's notes
     try:
         for number in range(max_restarts + 1):

@@ -110,7 +110,7 @@ def is_launch_main(cfg: DictConfig) -> bool:
     """The process that writes the run dir's shared files. No process group
     exists yet: the launcher's env (or node_rank when this process will spawn
     the workers of one node) says who it is."""
-    return global_rank() == 0 and cfg.parallel.get("node_rank", 0) == 0
+    return global_rank() == 0 and cfg.parallel.node_rank == 0
 
 
 def uses_default_run_name(cfg: DictConfig) -> bool:
@@ -123,12 +123,12 @@ def uses_default_run_name(cfg: DictConfig) -> bool:
 def check_run_name(cfg: DictConfig) -> None:
     """``run_name`` names a directory inside ``runs_root`` (ConfigError, exit 2,
     otherwise). ``hydra.run.dir`` may be anywhere: that is what it is for."""
-    name = str(cfg.get("run_name", ""))
+    name = str(cfg.run_name)
     parts = Path(name).parts
     if not name or Path(name).is_absolute() or ".." in parts or name.startswith("~"):
         raise ConfigError(
             f"run_name={name!r} is not allowed: expected a name inside runs_root "
-            f"({cfg.get('runs_root')}), e.g. run_name=exp1 or run_name=team/exp1 (no '..', not "
+            f"({cfg.runs_root}), e.g. run_name=exp1 or run_name=team/exp1 (no '..', not "
             "absolute; for a directory elsewhere use hydra.run.dir=DIR)"
         )
 

@@ -91,11 +91,22 @@ def require_trackers(*names: str) -> None:
 
 def compose_train(project: Path, *overrides: str, hydra_config: bool = False):
     """``configs/train.yaml`` of the project composed with overrides, as
-    ``python train.py`` composes it."""
+    ``python train.py`` composes it: an override Hydra refuses (a key that is not
+    there, a value of the wrong type for the engine's schema) is the ConfigError
+    with the message train.py exits 2 with (entry.py)."""
     from hydra import compose
+    from hydra.errors import ConfigCompositionException, OverrideParseException
 
-    with composed_configs(project):
-        return compose("train", overrides=list(overrides), return_hydra_config=hydra_config)
+    from .config import ConfigError
+    from .entry import command_line_error
+
+    try:
+        with composed_configs(project):
+            return compose("train", overrides=list(overrides), return_hydra_config=hydra_config)
+    except (ConfigCompositionException, OverrideParseException) as err:
+        # outside the with: the message composes the config again to suggest a key
+        said = command_line_error(err, project / "configs", "train", list(overrides))
+    raise ConfigError(said)
 
 
 @contextmanager

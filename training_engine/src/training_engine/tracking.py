@@ -48,8 +48,7 @@ def readiness(cfg: DictConfig) -> tuple[str, str, str]:
     """(status pass|warn|fail, detail, fix) of the configured trackers: packages
     importable (REQUIRES), offline or online, credentials where needed."""
     parts, problems, fixes, warnings = [], [], [], []
-    for name, settings in (cfg.tracker or {}).items():
-        settings = settings or {}
+    for name, settings in cfg.tracker.items():
         missing = _missing(name)
         if missing:
             problems.append(f"{name}: {', '.join(missing)} not installed")
@@ -59,7 +58,7 @@ def readiness(cfg: DictConfig) -> tuple[str, str, str]:
             parts.append("csv: metrics.csv in the run dir")
         elif name == "wandb":
             key = wandb_key()
-            mode = settings.get("mode") or os.environ.get("WANDB_MODE")
+            mode = settings.mode or os.environ.get("WANDB_MODE")
             mode = mode or ("online" if key else "offline")
             if mode == "online" and not key:
                 problems.append("wandb: online, but no API key (WANDB_API_KEY or wandb login)")
@@ -68,7 +67,7 @@ def readiness(cfg: DictConfig) -> tuple[str, str, str]:
                 parts.append(f"wandb: {mode}" + (f", key found for {wandb_host()}" if key else ""))
         elif name == "mlflow":
             uri = (
-                settings.get("tracking_uri")
+                settings.tracking_uri
                 or os.environ.get("MLFLOW_TRACKING_URI")
                 or "local store in the run dir"
             )
@@ -94,12 +93,11 @@ def check_reachable(cfg: DictConfig, timeout_s: float = 5.0) -> None:
     """A tracker that sends to a server (MLflow with an http(s) tracking URI, W&B
     online) must reach it: ConfigError (exit 2) in seconds, before the run dir is
     claimed, instead of the client's own minutes of retries and a raw traceback."""
-    for name, settings in (cfg.tracker or {}).items():
-        settings = settings or {}
+    for name, settings in cfg.tracker.items():
         if name == "mlflow":
-            uri = settings.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI") or ""
+            uri = settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or ""
             key = "tracker.mlflow.tracking_uri"
-        elif name == "wandb" and (settings.get("mode") or os.environ.get("WANDB_MODE")) == "online":
+        elif name == "wandb" and (settings.mode or os.environ.get("WANDB_MODE")) == "online":
             uri, key = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"), "WANDB_BASE_URL"
         else:
             continue

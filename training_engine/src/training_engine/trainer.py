@@ -31,7 +31,7 @@ from .callbacks import Callbacks, RunContext, build_callbacks, stateful
 from .checkpoint import CheckpointManager, plain_model, plan_resume, save_final_weights
 from .claim import Decision, agree, commit_attempt
 from .classes import check_model_fits_classes, data_classes, write_classes
-from .config import instantiate
+from .config import instantiate, instantiate_partial
 from .debug import Debug
 from .early_stopping import EarlyStopping
 from .ema import WeightAverage
@@ -94,7 +94,7 @@ class Trainer:
         seed_everything(cfg.seed, cfg.deterministic)
         log.info(f"run dir: {run_dir} | {torch.get_num_threads()} CPU threads per process")
         # debug=fast|overfit|anomaly|profile: fewer batches, anomaly mode, profiler
-        self.debug = Debug(**cfg.debug, run_dir=run_dir, rank=accelerator.process_index)
+        self.debug = Debug(cfg.debug, run_dir=run_dir, rank=accelerator.process_index)
         self._build(cfg, run_dir)
         self._start(cfg, run_dir)
 
@@ -164,10 +164,10 @@ class Trainer:
         )
         self.total_steps = self.plan.total_steps
         self.scheduler = accelerator.prepare(
-            instantiate(cfg.scheduler, what="scheduler")(optimizer, total_steps=self.total_steps)
+            instantiate_partial(cfg.scheduler, "scheduler", optimizer, total_steps=self.total_steps)
         )
         # trainer.ema: a moving average of the weights (val_ema/*)
-        self.ema = WeightAverage(**cfg.trainer.ema, model=model, accelerator=accelerator)
+        self.ema = WeightAverage(cfg.trainer.ema, model=model, accelerator=accelerator)
         # every metric's last value and every "best" (trainer.monitor's, the best
         # checkpoint's, early stopping's): one book decides them
         self.book = MetricBook(cfg.trainer.monitor, cfg.trainer.monitor_mode)
@@ -202,7 +202,7 @@ class Trainer:
             skip_budget=cfg.trainer.skip_budget,  # on_nan=skip: at most this many in a row
             clipping=bool(cfg.trainer.grad_clip_norm),
         )
-        self.signals = StopSignals(enabled=ck.enabled and ck.get("save_on_signal", True))
+        self.signals = StopSignals(enabled=ck.enabled and ck.save_on_signal)
         self.agreement = StepAgreement(
             accelerator=accelerator,
             guard=self.guard,
@@ -247,7 +247,7 @@ class Trainer:
             state=self.state,
             book=self.book,  # which step was a new best of checkpoint.save_best.monitor
             agreement=self.agreement,  # before every save: no checkpoint after a NaN
-            timeout_s=cfg.parallel.get("timeout_s") or 1800,
+            timeout_s=cfg.parallel.timeout_s,
         )
         self.start_at = self.ckpt.restore(self.resume)  # 0 unless resuming; every state
         self.step_count, self.epoch = self.start_at.step, self.start_at.epoch
@@ -332,7 +332,7 @@ class Trainer:
         self.debug.start()
         self.watchdog.start(self.step_count)
         self.model.train()
-        if self.cfg.trainer.get("eval_at_start", False) and self.step_count == 0:
+        if self.cfg.trainer.eval_at_start and self.step_count == 0:
             self.evaluate(0)  # where a fresh run (a fine-tune) starts; logged at step 0
         for epoch in range(self.start_at.epoch, self.plan.max_epochs):
             self.epoch = epoch  # also when it ends here: the summary counts it

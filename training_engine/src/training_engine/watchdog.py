@@ -44,6 +44,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from .schema import section
+
 log = logging.getLogger(__name__)
 
 EXIT_HANG = 5  # entry.py: a rank gave up waiting (a hang); the launcher may restart
@@ -118,15 +120,15 @@ class Watchdog:
     def __init__(
         self, settings: Mapping[str, Any], *, run_dir: Path, rank: int, world_size: int
     ) -> None:
-        enabled = settings.get("enabled", "auto")
+        settings = section("watchdog", settings)  # every key (schema/run.py)
+        enabled = settings.enabled
         self.enabled = world_size > 1 if enabled == "auto" else bool(enabled)
-        self.first_step_s = float(settings.get("first_step_s", 1200))
-        self.step_floor_s = float(settings.get("step_floor_s", 120))
-        self.step_factor = float(settings.get("step_factor", 10))
-        self.floors = {"eval": float(settings.get("eval_s", 1800))}
-        self.floors["save"] = float(settings.get("save_s", 900))
-        self.poll_s = float(settings.get("poll_s", 1.0))
-        self.collective_timeout_s = settings.get("collective_timeout_s")
+        self.first_step_s = settings.first_step_s
+        self.step_floor_s = settings.step_floor_s
+        self.step_factor = settings.step_factor
+        self.floors = {"eval": settings.eval_s, "save": settings.save_s}
+        self.poll_s = settings.poll_s
+        self.collective_timeout_s = settings.collective_timeout_s
         self.rank, self.world_size = rank, world_size
         self.folder = attempt_dir(run_dir)
         self._steps: deque[float] = deque(maxlen=STEP_WINDOW)

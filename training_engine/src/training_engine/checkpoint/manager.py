@@ -18,11 +18,12 @@ from typing import Any
 
 import torch
 from accelerate.utils import DistributedType
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from safetensors.torch import save as save_safetensors
 
 from ..config import ConfigError
 from ..loaders import batches_per_epoch
+from ..schema import section
 from ..state import Position, TrainState, rng_state, set_rng_state
 from . import elastic, folder, full_state, policy, resume, save, sharded, zero
 from . import format as fmt
@@ -43,7 +44,7 @@ class CheckpointManager:
     def __init__(
         self,
         *,
-        checkpoint: DictConfig | dict,
+        checkpoint: DictConfig | dict[str, Any],
         config: dict[str, Any],
         run_dir: Path,
         accelerator: Any,
@@ -52,43 +53,42 @@ class CheckpointManager:
         agreement: Any = None,
         timeout_s: float = 1800.0,
     ) -> None:
-        if isinstance(checkpoint, DictConfig):
-            checkpoint = OmegaConf.to_container(checkpoint, resolve=True)
-        self.ck = dict(checkpoint)
+        self.ck = section("checkpoint", checkpoint)  # every key (a test may give a few)
         self.config = config
-        self.enabled = bool(self.ck.get("enabled", False))
+        self.enabled = self.ck.enabled
         self.dir = Path(run_dir) / "checkpoints"
         self.accelerator = accelerator
         self.state = state
         self.batches_per_epoch = batches_per_epoch(state.train_loader)  # None: a stream
-        if self.batches_per_epoch is None and self.ck.get("every_n_epochs"):
+        if self.batches_per_epoch is None and self.ck.every_n_epochs:
             raise ConfigError(
-                f"checkpoint.every_n_epochs={self.ck['every_n_epochs']} is not allowed with a "
+                f"checkpoint.every_n_epochs={self.ck.every_n_epochs} is not allowed with a "
                 "training set that has no length (a stream has no epoch end to save at): "
                 "expected checkpoint.every_n_epochs=null and checkpoint.every_n_steps=N"
             )
         self.batch_size = elastic.per_process_batch(state.train_loader, accelerator.num_processes)
         # checkpoint.format: auto = sharded under FSDP (no rank gathers the state), else
         # full; DeepSpeed's optimizer is in its own files whatever the format (zero.py)
-        layout = str(self.ck.get("format", "auto"))
         self.layout = (
-            ("sharded" if accelerator.is_fsdp2 else "full") if layout == "auto" else layout
+            ("sharded" if accelerator.is_fsdp2 else "full")
+            if self.ck.format == "auto"
+            else self.ck.format
         )
         if getattr(accelerator, "distributed_type", None) == DistributedType.DEEPSPEED:
             self.layout = "deepspeed"
         self.agreement = agreement
         self.book = book  # the MetricBook: which step was a new best of save_best.monitor
-        if book is not None:
+        if book is not None and self.enabled:
             policy.watch_best(self.ck, book)
-        self.timeout_s = float(timeout_s or 1800)
+        self.timeout_s = float(timeout_s)
         self.best: dict[str, Any] | None = None  # step, value of save_best.monitor
         self.resumed_from: str | None = None
         self.last_saved: Path | None = None
         self._last_saved_step: int | None = None
         self._pending_best: dict[str, Any] | None = None
         self._metrics: dict[str, float] = {}  # the latest metrics, for the manifest
-        # checkpoint.async: stage in memory, write and commit in a background thread.
-        self.asynchronous = bool(self.ck.get("async", False))
+        # checkpoint.async_save: stage in memory, write and commit in a background thread.
+        self.asynchronous = self.ck.async_save
         self._stager = save.Stager()
         self._in_flight: save.SaveJob | None = None  # at most one save
         if self.enabled:
@@ -229,7 +229,7 @@ class CheckpointManager:
             self.state.position.batch,
         )
         self._metrics = dict(metrics)
-        last = self.ck.get("save_last", True) or stop
+        last = self.ck.save_last or stop
         saved = None
         if self.enabled and last and self._last_saved_step != step:
             saved = self.save(step, epoch, batch, ["signal" if stop else "last"])
@@ -241,7 +241,7 @@ class CheckpointManager:
     def save(self, step: int, epoch: int, batch: int, reasons: list[str]) -> Path:
         """Write one checkpoint with the atomic protocol (module docstring).
 
-        With ``checkpoint.async`` this returns once the state is staged (copied
+        With ``checkpoint.async_save`` this returns once the state is staged (copied
         to CPU memory the training does not touch); a background thread writes
         and commits it with the same protocol. One save at most is in flight:
         the next ``save`` and ``finish`` wait for it first."""
@@ -284,7 +284,7 @@ class CheckpointManager:
         return job.final
 
     def wait(self) -> None:
-        """Block until the save in flight (``checkpoint.async``) is written and,
+        """Block until the save in flight (``checkpoint.async_save``) is written and,
         on the main process, committed; raise CheckpointError if it failed."""
         job, self._in_flight = self._in_flight, None
         if job is None:
@@ -391,7 +391,7 @@ class CheckpointManager:
 
     def _write_shards(self, job: save.SaveJob, failed: OSError | None) -> OSError | None:
         """Sharded and DeepSpeed: every rank writes its shards (DeepSpeed's files) now
-        (main thread, collectives; with ``checkpoint.async`` too: the background does
+        (main thread, collectives; with ``checkpoint.async_save`` too: the background does
         hashing and commit)."""
         rank = self.accelerator.process_index
         if self.layout == "deepspeed":
@@ -399,5 +399,5 @@ class CheckpointManager:
         return sharded.write_job(job, failed, rank)
 
     def _write(self, job: save.SaveJob, failed: OSError | None, sync: bool) -> None:
-        keep_last = int(self.ck.get("keep_last", 3))
+        keep_last = self.ck.keep_last
         save.write_and_commit(job, self.accelerator, failed, sync, self.timeout_s, keep_last)

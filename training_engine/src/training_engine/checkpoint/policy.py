@@ -1,7 +1,8 @@
 """When to save: the rules of ``cfg.checkpoint`` (every N steps, every N epochs, a
 new best of ``save_best.monitor``, a stop signal, the last step) and how many
-checkpoints can be on disk at once. Plain functions of the config section: the
-manager applies them at every step, preflight asks them for the plan.
+checkpoints can be on disk at once. Plain functions of the config group (every key
+there: schema.section): the manager applies them at every step, preflight asks them
+for the plan.
 docs/checkpoints.md.
 """
 
@@ -12,30 +13,31 @@ from typing import Any
 from .folder import MIN_KEEP
 
 
-def _best_rule(ck: dict[str, Any]) -> dict[str, Any]:
-    rule = ck.get("save_best") or {}
-    return rule if rule.get("enabled", False) else {}
+def _best_rule(ck: Any) -> Any:
+    """``checkpoint.save_best`` when it is on (and names a metric), else None."""
+    rule = ck.save_best
+    return rule if rule.enabled and rule.monitor else None
 
 
-def new_best(ck: dict[str, Any], step: int, book: Any) -> dict[str, Any] | None:
+def new_best(ck: Any, step: int, book: Any) -> dict[str, Any] | None:
     """The best checkpoint's record when ``save_best.monitor``'s value logged at ``step``
     was a new best (the run's MetricBook decides); None otherwise."""
     rule = _best_rule(ck)
-    if not rule.get("monitor") or not book.new_best_at(step, rule["monitor"], rule["mode"]):
+    if rule is None or not book.new_best_at(step, rule.monitor, rule.mode):
         return None
-    best = book.best_of(rule["monitor"], rule["mode"])
+    best = book.best_of(rule.monitor, rule.mode)
     return {"step": step, "monitor": best.name, "value": best.value}
 
 
-def watch_best(ck: dict[str, Any], book: Any) -> None:
+def watch_best(ck: Any, book: Any) -> None:
     """Ask the book to keep ``save_best.monitor``'s best (from the start of the run)."""
     rule = _best_rule(ck)
-    if rule.get("monitor"):
-        book.watch(rule["monitor"], rule.get("mode", "max"))
+    if rule is not None:
+        book.watch(rule.monitor, rule.mode)
 
 
 def save_reasons(
-    ck: dict[str, Any],
+    ck: Any,
     *,
     step: int,
     epoch: int,
@@ -46,20 +48,20 @@ def save_reasons(
 ) -> list[str]:
     """Why a checkpoint is due at this optimizer-step boundary (empty: it is not)."""
     reasons = []
-    every_steps, every_epochs = ck.get("every_n_steps"), ck.get("every_n_epochs")
+    every_steps, every_epochs = ck.every_n_steps, ck.every_n_epochs
     if every_steps and step % every_steps == 0:
         reasons.append("every_n_steps")
     if every_epochs and batch == batches_per_epoch and (epoch + 1) % every_epochs == 0:
         reasons.append("every_n_epochs")
     if is_new_best:
         reasons.append("best")
-    if ck.get("save_on_signal", True) and stop:
+    if ck.save_on_signal and stop:
         reasons.append("signal")
     return reasons
 
 
 def planned_saves(
-    ck: dict[str, Any],
+    ck: Any,
     total: int,
     start: int,
     *,
@@ -67,24 +69,24 @@ def planned_saves(
     evaluations: set[int],
 ) -> set[int]:
     """Steps in (start, total] that may save (a new best: at most every evaluation)."""
-    if not ck.get("enabled", False) or start >= total:
+    if not ck.enabled or start >= total:
         return set()
 
     def multiples(k: int | None) -> set[int]:
         return set(range((start // k + 1) * k, total + 1, k)) if k else set()
 
-    saves = multiples(ck.get("every_n_steps"))
-    if ck.get("every_n_epochs") and steps_per_epoch:  # a stream has no epoch length
-        saves |= multiples(ck["every_n_epochs"] * steps_per_epoch)
-    if _best_rule(ck):
+    saves = multiples(ck.every_n_steps)
+    if ck.every_n_epochs and steps_per_epoch:  # a stream has no epoch length
+        saves |= multiples(ck.every_n_epochs * steps_per_epoch)
+    if _best_rule(ck) is not None:
         saves |= evaluations
-    if ck.get("save_last", True):
+    if ck.save_last:
         saves.add(total)
     return saves
 
 
-def kept_on_disk(ck: dict[str, Any]) -> tuple[int, str]:
+def kept_on_disk(ck: Any) -> tuple[int, str]:
     """How many checkpoints can be on disk at once, and why that many."""
-    keep = max(MIN_KEEP, int(ck.get("keep_last", 3)))
-    best = 1 if _best_rule(ck) else 0
+    keep = max(MIN_KEEP, ck.keep_last)
+    best = 1 if _best_rule(ck) is not None else 0
     return keep + best + 1, f"keep_last {keep}{' + best' if best else ''} + 1 in flight"

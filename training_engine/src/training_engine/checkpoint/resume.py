@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import allowed_config_changes, config_differences
+from ..schema import section
 from . import elastic, folder, judge, sharded, zero
 from . import format as fmt
 from .format import CheckpointError, ConfigMismatch
@@ -128,9 +129,10 @@ def plan_resume(
     nothing there is valid. Once this run dir has checkpoints of its own, a path
     outside it only started the run: the same command continues from this run's own
     checkpoints (a path inside it, e.g. an older checkpoint, is honored)."""
-    enabled = bool(checkpoint.get("enabled", False))
+    checkpoint = section("checkpoint", checkpoint)  # every key (a test may give a few)
+    enabled = checkpoint.enabled
     own_dir = Path(run_dir) / "checkpoints"
-    mode = str(checkpoint.get("resume", "auto")) if enabled else "never"
+    mode = checkpoint.resume if enabled else "never"
     plan = ResumePlan(grad_accum=configured)
     if enabled and elastic.effective_mode(mode, own_dir) != mode:
         log.info(

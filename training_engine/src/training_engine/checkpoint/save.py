@@ -1,7 +1,7 @@
 """The save protocol, all of it after the manager has staged the state: every rank
 writes its files into ``step_N.tmp/``; the main process writes the manifest last,
 commits (one rename), replaces the ``latest.json``/``best.json`` pointers and prunes.
-The same code runs for sync saves (main thread, barriers) and ``checkpoint.async``
+The same code runs for sync saves (main thread, barriers) and ``checkpoint.async_save``
 ones: the state is staged in host memory (``Stager``) and a background thread
 writes and commits it with no collectives. Files are written and hashed from the
 same buffers (checksums.py); their names are format.py's. docs/checkpoints.md.

@@ -81,7 +81,7 @@ def round_trip_and_timing(
     """Save the starting state (A), time real steps, save again (B: the size
     and cost of a checkpoint with optimizer state), load A back (restoring the
     run's state) and compare every tensor with the state before A. The scratch
-    saves are synchronous even with checkpoint.async: the round trip reads them
+    saves are synchronous even with checkpoint.async_save: the round trip reads them
     back at once (and the ETA counts a full save, an upper bound for async)."""
     world = acc.num_processes
     before = state_digests(acc, state)
