@@ -198,7 +198,12 @@ def test_train_returns_the_best_monitored_metric(compose_cfg, tmp_path):
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ("optimizer.lr=-0.1", "optimizer.lr=-0.1 is not allowed: expected a number > 0"),
+        # torch's optimizer checks its own arguments: the group, its arguments, torch's reason
+        (
+            "optimizer.lr=-0.1",
+            "optimizer: cannot build torch.optim.AdamW(lr=-0.1, weight_decay=0.01): Invalid "
+            "learning rate: -0.1",
+        ),
         ("data.batch_size=0", "data.batch_size=0 is not allowed: expected an integer >= 1"),
         (
             "trainer.mixed_precision=fp8",

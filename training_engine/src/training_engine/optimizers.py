@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError, instantiate
+from .config import ConfigError, instantiate_partial
 
 PRIMARY = "optimizer"  # the name of ``cfg.optimizer``
 
@@ -95,7 +95,7 @@ def build_optimizers(primary: Any, named: Any, groups: Any) -> torch.optim.Optim
                 "optimizer is configured: name the others under optimizers (e.g. "
                 "+optimizers.muon._target_=...) or return one list of groups"
             )
-        return instantiate(primary, what="optimizer")(groups)
+        return instantiate_partial(primary, "optimizer", groups)
     names = [PRIMARY, *named]
     if not isinstance(groups, dict) or set(groups) != set(names):
         given = sorted(groups) if isinstance(groups, dict) else "one list"
@@ -106,7 +106,10 @@ def build_optimizers(primary: Any, named: Any, groups: Any) -> torch.optim.Optim
         )
     nodes = {PRIMARY: primary, **named}
     return NamedOptimizers(
-        {name: instantiate(nodes[name], what=f"optimizers.{name}")(groups[name]) for name in names}
+        {
+            name: instantiate_partial(nodes[name], f"optimizers.{name}", groups[name])
+            for name in names
+        }
     )
 
 

@@ -2,7 +2,8 @@
 
 ``train.py`` calls ``instantiate(cfg.scheduler)(optimizer, total_steps=...)``,
 so every schedule here takes the optimizer and the total number of optimizer
-steps; the remaining arguments come from ``configs/scheduler/``. A schedule steps
+steps; the remaining arguments come from ``configs/scheduler/``, and each schedule
+checks its own (``require``: exit 2 naming the key). A schedule steps
 after every optimizer step, except one that steps on a metric (torch's
 ``ReduceLROnPlateau``, ``plateau`` here): after every evaluation, with the value of
 ``trainer.monitor`` (``ScheduleSteps``, one of the loop's events).
@@ -14,6 +15,8 @@ from typing import Any
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, ReduceLROnPlateau
+
+from .config import require
 
 
 def _constant_factor(step: int) -> float:
@@ -38,6 +41,15 @@ def warmup_cosine(
     optimizer: Optimizer, total_steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.0
 ) -> LambdaLR:
     """Linear warm-up for ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr``."""
+    whole = isinstance(warmup_steps, int) and not isinstance(warmup_steps, bool)
+    require("scheduler.warmup_steps", warmup_steps, whole and warmup_steps >= 0, "an integer >= 0")
+    number = isinstance(min_lr_ratio, int | float) and not isinstance(min_lr_ratio, bool)
+    require(
+        "scheduler.min_lr_ratio",
+        min_lr_ratio,
+        number and 0 <= min_lr_ratio <= 1,
+        "a number in [0, 1]",
+    )
     # A partial (not a lambda) so that LambdaLR.state_dict() holds plain data only.
     factor = functools.partial(
         _warmup_cosine_factor,
