@@ -258,6 +258,18 @@ def test_an_undeclared_key_is_named_with_the_closest_one():
         assert "+trainer.max_stepz" not in str(err.value)  # no advice to add one
 
 
+def test_every_problem_of_a_command_line_is_named_at_once():
+    """Hydra stops at the first override it refuses; the others are named with it."""
+    with pytest.raises(ConfigError) as err:
+        compose_train(PROJECT_ROOT, "tracker=nope", "trainer.max_steps=abc", "seed=-1")
+    assert str(err.value) == (
+        "Invalid configuration:\n"
+        "  tracker=nope is not an option: choose one of csv, mlflow, none, tensorboard, wandb\n"
+        "  trainer.max_steps='abc' is not allowed: expected an integer >= 1 or null\n"
+        "  seed=-1 is not allowed: expected an integer in [0, 2**32)"
+    )
+
+
 @pytest.fixture
 def project(tmp_path):
     """A copy of the project's configs with presets of its own for the engine's groups."""

@@ -297,7 +297,7 @@ def test_a_sweep_renders_one_trainjob_per_job_with_its_own_run(tmp_path, validat
     ("overrides", "message"),
     [
         (["hydra.launcher.max_restarts=-1"], "hydra.launcher.max_restarts=-1 is not allowed"),
-        (["optimizer.lr=-1"], "optimizer.lr=-1 is not allowed"),  # the project's own checks
+        (["trainer.max_steps=0"], "trainer.max_steps=0 is not allowed"),  # the config's checks
         # apply=true without kubectl (PATH: this Python's directory only): refused up front
         (["hydra.launcher.apply=true"], "hydra.launcher.apply=true needs kubectl on PATH"),
         (["run_name=exp1", "seed=1,2"], "run_name='exp1' names one run, but this command"),

@@ -304,11 +304,13 @@ BAD_INPUT = {
         "model.vocab_size='${data.vocab_size}' reads data.vocab_size, which this config does not "
         "have",
     ),
-    # several value errors at once: each named, one exit
+    # several value errors at once, a type Hydra refuses among them: each named, one exit
     "values": (
-        ["optimizer.lr=-1", "seed=abc", "trainer.max_steps=abc", "checkpoint.keep_last=-1"],
-        "seed='abc' is not allowed: expected an integer in [0, 2**32)\n  optimizer.lr=-1 is not "
-        "allowed: expected a number > 0",
+        ["seed=abc", "trainer.max_steps=abc", "checkpoint.keep_last=-1"],
+        "trainer.max_steps='abc' is not allowed: expected an integer >= 1 or null\n  "
+        "checkpoint.keep_last=-1 is not allowed: expected an integer >= 2 (the newest checkpoint "
+        "may be the one a crash interrupted)\n  seed='abc' is not allowed: expected an integer "
+        "in [0, 2**32)",
     ),
     "vocabulary": (
         ["model=gpt", "data=tokens", "model.vocab_size=100", "data.num_train=64"],

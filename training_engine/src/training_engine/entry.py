@@ -43,7 +43,7 @@ def run_entry_point(main: Callable[[], Any], config_dir: Path, config_name: str)
     try:
         main()
     except (ConfigCompositionException, OverrideParseException) as err:
-        message = command_line_error(err, config_dir, config_name, sys.argv[1:])
+        message = command_line_problems(err, config_dir, config_name, sys.argv[1:])
         print(f"error: {message}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     except OSError as err:
@@ -69,6 +69,72 @@ def skip_the_final_collection() -> None:
     frozen at exit, the collector skips it. Files, trackers and process groups are
     closed explicitly before, never left to the collector."""
     atexit.register(gc.freeze)
+
+
+def command_line_problems(
+    err: Exception, config_dir: Path, config_name: str, argv: list[str]
+) -> str:
+    """``command_line_error``'s message and every other problem of the command line, in
+    one message (as check_config names every bad value): Hydra stops at the first
+    override it refuses, so the others are composed again without it, until Hydra takes
+    them, and then checked as the run would check them."""
+    problems, rest = [], [a for a in argv if "=" in a and not a.startswith("-")]
+    for _ in range(len(rest) + 1):
+        problems.append(command_line_error(err, config_dir, config_name, rest))
+        offending = _offending(err, rest)
+        if offending is None:
+            break
+        rest.remove(offending)
+        composed = _compose(config_dir, config_name, rest)
+        if not isinstance(composed, Exception):
+            problems += _value_problems(composed)
+            break
+        err = composed
+    if len(problems) == 1:
+        return problems[0]
+    return "Invalid configuration:\n  " + "\n  ".join(problems)
+
+
+def _offending(err: Exception, overrides: list[str]) -> str | None:
+    """The override ``err`` is about, as given on the command line; None: not one."""
+    text = str(err)
+    override = getattr(err, "override", None)  # OverrideParseException
+    merging = re.match(r"Error merging override (.+)", text)
+    named = re.search(r"Could not (?:override|find) '([^'/]+(?:/[^'/]+)*?)(?:/[^'/]+)?'", text)
+    if override is None and merging:
+        override = merging.group(1)
+    if override is not None and str(override) in overrides:
+        return str(override)
+    key = merging.group(1).split("=", 1)[0] if merging else named.group(1) if named else None
+    return next((o for o in overrides if o.split("=", 1)[0].lstrip("+~") == key), None)
+
+
+def _compose(config_dir: Path, config_name: str, overrides: list[str]) -> Any:
+    """The config Hydra composes with these overrides, or the exception it raises."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException, OverrideParseException
+
+    kept = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+            return compose(config_name, overrides=kept)
+    except (ConfigCompositionException, OverrideParseException) as err:
+        return err
+
+
+def _value_problems(cfg: Any) -> list[str]:
+    """check_config's problems of a composed config (the lines of its message)."""
+    from .config import ConfigError, check_config, resolve_config
+
+    try:
+        check_config(resolve_config(cfg))
+    except ConfigError as err:
+        return [line.strip() for line in str(err).splitlines() if line.startswith("  ")] or [
+            str(err)
+        ]
+    except Exception:  # anything else is the run's to say, once the first ones are fixed
+        return []
+    return []
 
 
 def command_line_error(err: Exception, config_dir: Path, config_name: str, argv: list[str]) -> str:

@@ -98,14 +98,14 @@ def compose_train(project: Path, *overrides: str, hydra_config: bool = False):
     from hydra.errors import ConfigCompositionException, OverrideParseException
 
     from .config import ConfigError
-    from .entry import command_line_error
+    from .entry import command_line_problems
 
     try:
         with composed_configs(project):
             return compose("train", overrides=list(overrides), return_hydra_config=hydra_config)
     except (ConfigCompositionException, OverrideParseException) as err:
         # outside the with: the message composes the config again to suggest a key
-        said = command_line_error(err, project / "configs", "train", list(overrides))
+        said = command_line_problems(err, project / "configs", "train", list(overrides))
     raise ConfigError(said)
 
 
