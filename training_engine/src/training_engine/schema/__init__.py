@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import typing
+from collections.abc import Iterator
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -200,21 +201,20 @@ def expected(key: str) -> str:
     return check.allowed if check is not None else type_text(hints(cls)[leaf])
 
 
+_UnionType = type(int | None)  # what `int | None` is (typing.Union is `Optional[int]`)
+
+
 def type_text(kind: Any) -> str:
     """``int | None`` -> ``an integer or null``."""
     words = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
-    options = (
-        typing.get_args(kind) if typing.get_origin(kind) in (typing.Union, _UnionType) else (kind,)
-    )
+    union = typing.get_origin(kind) in (typing.Union, _UnionType)
+    options = typing.get_args(kind) if union else (kind,)
     said = [
         words.get(o) or ("a list" if typing.get_origin(o) is list else "a mapping")
         for o in options
         if o is not type(None)
     ]
     return " or ".join(said + (["null"] if type(None) in options else []))
-
-
-_UnionType = type(int | None)
 
 
 def _has_default(field: dataclasses.Field) -> bool:
@@ -229,51 +229,43 @@ def default(field: dataclasses.Field) -> Any:
     return field.default_factory() if _is_factory(field) else field.default
 
 
-def defaults() -> dict[str, Any]:
-    """``{dotted key: default}`` of every key the schemas declare a value for (not the
-    required ones, not the nested groups themselves): what a config written before a
-    key existed meant by its absence (config.config_differences)."""
-    found: dict[str, Any] = {}
+def _keys(*, null_groups: bool) -> Iterator[tuple[str, type, dataclasses.Field]]:
+    """(dotted key, its schema, its field) of every key the engine reads, nested groups'
+    keys instead of the group; ``null_groups``: also the keys of a group that is null
+    until set (debug.profile), after its own row."""
 
-    def walk(cls: type, prefix: str) -> None:
+    def walk(cls: type, prefix: str) -> Iterator[tuple[str, type, dataclasses.Field]]:
         for field in dataclasses.fields(cls):
             inner = inner_section(cls, field.name)
             if inner is not None and _is_factory(field):
-                walk(inner, f"{prefix}{field.name}.")
-            elif _has_default(field):
-                found[f"{prefix}{field.name}"] = default(field)
+                yield from walk(inner, f"{prefix}{field.name}.")
+                continue
+            yield f"{prefix}{field.name}", cls, field
+            if inner is not None and null_groups:
+                yield from walk(inner, f"{prefix}{field.name}.")
 
-    walk(Run, "")
+    yield from walk(Run, "")
     for key, cls in SCHEMAS.items():
-        walk(cls, f"{key}.")
+        yield from walk(cls, f"{key}.")
     for name, cls in TRACKERS.items():
-        walk(cls, f"tracker.{name}.")
-    return found
+        yield from walk(cls, f"tracker.{name}.")
+
+
+def defaults() -> dict[str, Any]:
+    """``{dotted key: default}`` of every key the schemas give a default (not the
+    project's top-level keys; not inside a group that is null until set): what a config
+    written before a key existed meant by its absence (config.config_differences)."""
+    return {key: default(f) for key, _, f in _keys(null_groups=False) if _has_default(f)}
 
 
 def reference() -> str:
     """The table of every key the engine reads: key, type, default, what it does
     (docs/configuration.md holds it; ``python -m training_engine keys`` prints it)."""
     rows = ["| key | type | default | what it does |", "|---|---|---|---|"]
-
-    def walk(cls: type, prefix: str) -> None:
-        for field in dataclasses.fields(cls):
-            inner = inner_section(cls, field.name)
-            if inner is not None and _is_factory(field):
-                walk(inner, f"{prefix}{field.name}.")
-                continue
-            shown = "(the project's)" if not _has_default(field) else f"`{_yaml(default(field))}`"
-            kind = type_text(hints(cls)[field.name])
-            doc = field.metadata["doc"].replace("|", "\\|")  # a table cell
-            rows.append(f"| `{prefix}{field.name}` | {kind} | {shown} | {doc} |")
-            if inner is not None:  # a group that is null until set (debug.profile)
-                walk(inner, f"{prefix}{field.name}.")
-
-    walk(Run, "")
-    for key, cls in SCHEMAS.items():
-        walk(cls, f"{key}.")
-    for name, cls in TRACKERS.items():
-        walk(cls, f"tracker.{name}.")
+    for key, cls, field in _keys(null_groups=True):
+        shown = f"`{_yaml(default(field))}`" if _has_default(field) else "(the project's)"
+        doc = field.metadata["doc"].replace("|", "\\|")  # in a table cell
+        rows.append(f"| `{key}` | {type_text(hints(cls)[field.name])} | {shown} | {doc} |")
     return "\n".join(rows) + "\n"
 
 

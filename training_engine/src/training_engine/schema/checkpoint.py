@@ -1,6 +1,9 @@
 """The ``checkpoint`` group: when checkpoints are saved, how many are kept, resume,
 and fine-tuning from another run (configs/checkpoint/: presets; docs/checkpoints.md)."""
 
+# setting() and section() return dataclasses.field()s: no call shares a default.
+# ruff: noqa: RUF009
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -2,6 +2,9 @@
 (configs/parallel/: none, ddp, fsdp, deepspeed; docs/parallel.md). One schema for
 every mode: a key of another mode keeps its default and is not read."""
 
+# setting() and section() return dataclasses.field()s: no call shares a default.
+# ruff: noqa: RUF009
+
 from __future__ import annotations
 
 from dataclasses import dataclass

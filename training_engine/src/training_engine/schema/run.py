@@ -2,6 +2,9 @@
 ``preflight``, ``debug``, each tracker's settings under ``tracker``, and the keys at
 the top of a project's configs/train.yaml that the engine reads (``Run``)."""
 
+# setting() and section() return dataclasses.field()s: no call shares a default.
+# ruff: noqa: RUF009
+
 from __future__ import annotations
 
 from dataclasses import dataclass

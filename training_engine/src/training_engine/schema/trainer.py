@@ -1,6 +1,9 @@
 """The ``trainer`` group: the run's length, cadence, precision, NaN policy, early
 stopping and the weights' moving average (configs/trainer/: presets)."""
 
+# setting() and section() return dataclasses.field()s: no call shares a default.
+# ruff: noqa: RUF009
+
 from __future__ import annotations
 
 from dataclasses import dataclass
