@@ -69,10 +69,14 @@ def register() -> None:
     """Store the schemas in Hydra's ConfigStore: ``<group>/schema`` for each group and
     ``tracker/schema/<name>`` for each tracker. Called by the engine's search-path
     plugin (hydra_plugins/training_engine_configs), which every Hydra app runs before
-    it composes; storing again replaces."""
+    it composes: once per process (a process that composes again, e.g. the tests, finds
+    them there)."""
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()
+    stored = store.repo.get("tracker", {}).get(OPTION, {})
+    if all(f"{name}.yaml" in stored for name in TRACKERS):  # stored last: all are there
+        return
     for group, cls in SCHEMAS.items():
         # the debug presets are @package _global_ (they set trainer keys too)
         store.store(group=group, name=OPTION, node=cls, package=group, provider="training-engine")

@@ -18,7 +18,7 @@ def _resume(v: Any) -> bool:
     return v in ("auto", "never") or existing_dir(v)
 
 
-@dataclass
+@dataclass(repr=False, eq=False)
 class SaveBest(Section):
     """A checkpoint whenever a metric reaches a new best."""
 
@@ -28,7 +28,7 @@ class SaveBest(Section):
     mode: str = setting("${trainer.monitor_mode}", "max | min", either("min", "max"))
 
 
-@dataclass
+@dataclass(repr=False, eq=False)
 class Checkpoint(Section):
     """Atomic, verified checkpoints in <run dir>/checkpoints/."""
 

@@ -43,8 +43,10 @@ def section(cls: type, doc: str) -> Any:
 
 
 class Section:
-    """The base of every group's dataclass. ``KEY``: where it sits in the config
-    (``trainer``, ``trainer.ema``); ``cross_problems``: checks across its own keys."""
+    """The base of every group's dataclass, declared ``@dataclass(repr=False, eq=False)``
+    (each generated method costs start-up time; none is needed). ``KEY``: where it sits
+    in the config (``trainer``, ``trainer.ema``); ``cross_problems``: checks across its
+    own keys."""
 
     KEY = ""
 

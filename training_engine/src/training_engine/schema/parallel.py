@@ -24,7 +24,7 @@ def _class_names(v: Any) -> bool:
     return listed and all(isinstance(n, str) and n.isidentifier() for n in v)
 
 
-@dataclass
+@dataclass(repr=False, eq=False)
 class Parallel(Section):
     """How many processes train, on how many nodes, and how the model is split."""
 

@@ -28,7 +28,7 @@ from .fields import (
 REQUIRED = "???"  # no default here: the project's configs/train.yaml gives the value
 
 
-@dataclass
+@dataclass(repr=False, eq=False)
 class Watchdog(Section):
     """Hang detection on every rank of a run of 2+ processes (docs/recovery.md): each
     phase of the loop has a budget; a rank past it writes every thread's stack to
@@ -61,7 +61,7 @@ class Watchdog(Section):
     )
 
 
-@dataclass
+@dataclass(repr=False, eq=False)
 class Preflight(Section):
     """Checks of the machine and the run before training (docs/preflight.md)."""
 
@@ -93,7 +93,7 @@ class Preflight(Section):
         return []
 
 
-@dataclass
+@dataclass(repr=False, eq=False)
 class Profile(Section):
     """torch.profiler's window (debug=profile)."""
 
@@ -106,7 +106,7 @@ class Profile(Section):
     row_limit: int = setting(25, "rows of the top-ops table", ints(1))
 
 
-@dataclass
+@dataclass(repr=False, eq=False)
 class Debug(Section):
     """What the debug presets switch on (configs/debug/; docs/debug.md)."""
 
@@ -131,7 +131,7 @@ class Debug(Section):
 # --- each tracker's settings (tracker=csv|tensorboard|wandb|mlflow; docs/trackers.md) ------
 
 
-@dataclass
+@dataclass(repr=False, eq=False)
 class Csv(Section):
     """metrics.csv in the run dir: time,step,name,value per logged value."""
 
@@ -139,7 +139,7 @@ class Csv(Section):
     filename: str = setting("metrics.csv", "the file's name in the run dir")
 
 
-@dataclass
+@dataclass(repr=False, eq=False)
 class TensorBoard(Section):
     """Scalars and the config as hparams, in <run dir>/tensorboard."""
 
@@ -149,7 +149,7 @@ class TensorBoard(Section):
     )
 
 
-@dataclass
+@dataclass(repr=False, eq=False)
 class WandbWatch(Section):
     """wandb.watch: histograms of gradients and/or parameters."""
 
@@ -165,7 +165,7 @@ class WandbWatch(Section):
     log_freq: int = setting(100, "every N training batches", ints(1))
 
 
-@dataclass
+@dataclass(repr=False, eq=False)
 class Wandb(Section):
     """Weights & Biases, offline unless WANDB_MODE or an API key says otherwise."""
 
@@ -184,7 +184,7 @@ class Wandb(Section):
     watch: WandbWatch = section(WandbWatch, "wandb.watch")
 
 
-@dataclass
+@dataclass(repr=False, eq=False)
 class MLflow(Section):
     """MLflow: params, metrics, the final model and model.safetensors."""
 
@@ -215,7 +215,7 @@ def _module_names(v: Any) -> bool:
 MAPPING = Check(lambda v: isinstance(v, dict | DictConfig), "a mapping of name -> config")
 
 
-@dataclass
+@dataclass(repr=False, eq=False)
 class Run(Section):
     """The keys at the top of the config that the engine reads. Not a Hydra schema: the
     project's configs/train.yaml holds them and their values (``KEY=VALUE`` on the

@@ -14,7 +14,7 @@ from .fields import BOOL, FRACTION, Check, Section, either, ints, numbers, secti
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 
 
-@dataclass
+@dataclass(repr=False, eq=False)
 class EarlyStopping(Section):
     """Stop when trainer.monitor stops improving (docs/lifecycle.md)."""
 
@@ -29,7 +29,7 @@ class EarlyStopping(Section):
     )
 
 
-@dataclass
+@dataclass(repr=False, eq=False)
 class Ema(Section):
     """An exponential moving average of the weights (docs/lifecycle.md)."""
 
@@ -40,7 +40,7 @@ class Ema(Section):
     )
 
 
-@dataclass
+@dataclass(repr=False, eq=False)
 class Trainer(Section):
     """How long and how a run trains."""
 
