@@ -6,7 +6,7 @@ composes each of its groups on its schema, so an unknown key or a value of the w
 type stops there (entry.py says which), and ``check_config`` checks the values, naming
 key, value and what is allowed, plus what spans several groups. Everything else checks
 its own arguments when it is built (``require``): the project's models and data, the
-schedules; torch's optimizers check theirs (``instantiate`` names the group).
+schedules; torch's optimizers check theirs (``instantiate_partial`` names the group).
 """
 
 import json

@@ -95,9 +95,9 @@ def problems(cls: type, values: Any) -> list[str]:
         if inner is not None and value is not None:
             found += problems(inner, value)
             continue
-        check = field.metadata.get("check")
         if isinstance(value, str) and value.startswith("${"):
             continue  # an interpolation (a default such as ${trainer.monitor}): judged resolved
+        check = field.metadata.get("check")
         if check is not None and not check.ok(value):
             found.append(refused(f"{cls.KEY}.{field.name}".lstrip("."), value, check.allowed))
     return found + cls.cross_problems(values)
