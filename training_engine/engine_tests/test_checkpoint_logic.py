@@ -3,6 +3,7 @@ verification, path resolution, pruning rules, the config compatibility check,
 the planned saves preflight counts, and the stop decision. The real-process
 tests (signals, SIGKILL, disks, DDP) are in test_checkpoint.py."""
 
+import io
 import json
 from pathlib import Path
 
@@ -24,13 +25,35 @@ from training_engine.config import (
 from training_engine.metrics import MetricBook
 from training_engine.nonfinite import LossGuard, NonFiniteLoss
 from training_engine.preemption import StopSignals, TrainingInterrupted
-from training_engine.state import TrainState
+from training_engine.state import TrainState, rng_state
+
+
+def torch_file(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def adamw(values: torch.Tensor) -> torch.optim.AdamW:
+    """An AdamW over one weight of ``values``, one step taken (its state filled)."""
+    weight = torch.nn.Parameter(values)
+    optimizer = torch.optim.AdamW([weight])
+    weight.grad = torch.ones_like(values)
+    optimizer.step()
+    return optimizer
 
 
 def contents(step: int) -> dict[str, bytes]:
-    """Files every reader takes as valid (format.check_content): JSON that holds what it
-    must, a safetensors file, and bytes for the pickled ones (checked when loaded)."""
-    files = {name: f"{name} of {step}".encode() for name in fmt.REQUIRED_FILES}
+    """Files every reader takes as valid (format.check_content, checkpoint/judge.py):
+    JSON that holds what it must, a safetensors file, and torch files of the states a
+    run writes (an optimizer's of the one weight, a scheduler's, an RNG state)."""
+    optimizer = adamw(torch.full((2,), float(step)))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    files = {
+        "optimizer.pt": torch_file(optimizer.state_dict()),
+        "scheduler.pt": torch_file(scheduler.state_dict()),
+        fmt.rng_file(0): torch_file(rng_state()),
+    }
     state = {"step": step, "epoch": 0, "batch": step, "stateful": {}}
     files["trainer_state.json"] = json.dumps(state).encode()
     files["config.json"] = json.dumps({"seed": step}).encode()
@@ -72,8 +95,10 @@ def test_manifest_commit_and_verify(tmp_path):
 
 
 def test_xxh3_manifests_verify_catch_a_flipped_byte_and_sha256_ones_still_load(tmp_path):
-    state = {"w": torch.arange(1000, dtype=torch.float32)}
+    weight = torch.arange(1000, dtype=torch.float32)
+    state = adamw(weight).state_dict()
     files = contents(3)
+    files["model.safetensors"] = save({"w": weight})  # the state's shapes are the model's
     files["optimizer.pt"] = bytes(protocol.torch_bytes(state))
     new = fake_checkpoint(tmp_path / "new", 3, files)
     entries = {n: fmt.file_entry(d) for n, d in files.items()}  # the current hash
@@ -88,7 +113,8 @@ def test_xxh3_manifests_verify_catch_a_flipped_byte_and_sha256_ones_still_load(t
     for ckpt in (new, old):  # read once, hashed and parsed from the same bytes
         assert fmt.verify_checkpoint(ckpt) is None
         loaded = fmt.verify_files(ckpt, ["optimizer.pt", "trainer_state.json"], fmt.parse_file)
-        assert torch.equal(loaded["optimizer.pt"]["w"], state["w"])
+        saved, read = state["state"][0], loaded["optimizer.pt"]["state"][0]
+        assert torch.equal(read["exp_avg"], saved["exp_avg"])
         assert loaded["trainer_state.json"] == json.loads(files["trainer_state.json"])
     for ckpt, algorithm in ((new, "xxh3_128"), (old, "sha256")):
         data = bytearray((ckpt / "optimizer.pt").read_bytes())
