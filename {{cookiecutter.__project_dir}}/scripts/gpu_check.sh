@@ -31,7 +31,7 @@ FAILED=0
 DIGITS="m['val/acc'] >= 0.90"
 GPT_OK="m['val/loss'] < 2.0 and m['perf/mfu'] > 0 and m['perf/tokens_per_sec'] > 0"
 GPT=(model=gpt data=tokens trainer.mixed_precision=bf16 trainer.compile=true optimizer.fused=true
-     trainer.max_steps=300 trainer.eval_every_n_steps=150 checkpoint.async=true
+     trainer.max_steps=300 trainer.eval_every_n_steps=150 checkpoint.async_save=true
      checkpoint.every_n_steps=100)
 
 check() {  # check NAME WORLD_SIZE EXPECTED_TYPE CONDITION -- command...
