@@ -22,7 +22,7 @@ GIT_ENV = {
     "GIT_TERMINAL_PROMPT": "0",
 }
 # An engine file (the engine's own config group) and a recipe file (the project's).
-ENGINE_FILE = "training_engine/src/training_engine/configs/checkpoint/default.yaml"
+ENGINE_FILE = "training_engine/src/training_engine/schema/checkpoint.py"  # keep_last's default
 RECIPE_FILE = "{{cookiecutter.__project_dir}}/configs/optimizer/adamw.yaml"
 
 
@@ -71,7 +71,7 @@ def test_cruft_update_brings_template_changes_and_keeps_the_projects(tmp_path, c
     # the engine's pin (its commit), nothing else.
     pinned_at = f"@{baked_at}#subdirectory=training_engine"
     assert pinned_at in (project / "pyproject.toml").read_text()
-    edit(template / ENGINE_FILE, "keep_last: 3 ", "keep_last: 5 ")
+    edit(template / ENGINE_FILE, "        3,\n        \"the newest N", "        5,\n        \"the newest N")
     git(template, "commit", "-q", "-am", "keep 5 checkpoints")
     updated_to = update(project)
     assert changes(project) == [".cruft.json", "pyproject.toml"]  # no conflicts, no .rej

@@ -226,6 +226,8 @@ def position_problem(trainer: dict, manifest: dict, config: dict) -> str | None:
     max_steps, max_epochs = run.get("max_steps"), run.get("max_epochs")
     step, epoch, batch = trainer["step"], trainer["epoch"], trainer["batch"]
     per_epoch = trainer.get("batches_per_epoch")  # None: a stream
+    if not (_count(per_epoch) and per_epoch):  # 0: not known (a state saved outside a loop)
+        per_epoch = None
     accum = manifest.get("grad_accum_steps", 1)
     world = manifest.get("world_size", 1)
     if _count(per_epoch) and batch > per_epoch:
@@ -234,7 +236,7 @@ def position_problem(trainer: dict, manifest: dict, config: dict) -> str | None:
         return f"its step {step} is past its run's length (trainer.max_steps={max_steps})"
     if _count(max_steps):  # the epochs max_steps takes (a stream: no epochs to count)
         epochs = (
-            math.ceil(max_steps * accum / per_epoch) if _count(per_epoch) and per_epoch else None
+            math.ceil(max_steps * accum / per_epoch) if per_epoch else None
         )
     else:
         epochs = max_epochs if _count(max_epochs) else None
