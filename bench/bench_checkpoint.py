@@ -25,7 +25,7 @@ def bench_checkpoint(args, config: dict, work: Path, results: dict) -> None:
     cfg = OmegaConf.create(config)  # the resolved config of the workload
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     task = instantiate(cfg.task)
-    model = instantiate(cfg.model)
+    model = instantiate(bench_project.module("engine.adapters").base_node(cfg.model))  # no peft
     optimizer = instantiate(cfg.optimizer)(model.parameters())
     scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=100)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)

@@ -79,6 +79,12 @@ def _build(node: dict):
     return functools.partial(target, **kwargs) if node.get("_partial_") else target(**kwargs)
 
 
+def bare_model_node(node: dict) -> dict:
+    """The model's node less ``peft``: the engine's key (training_engine/adapters.py),
+    not an argument of the model."""
+    return {k: v for k, v in node.items() if k != "peft"}
+
+
 def child_bare(spec: dict) -> None:
     """The floor: the same model, data, optimizer, schedule, clipping and
     precision in a hand-written loop, with nothing else. Under ``torchrun``
@@ -99,7 +105,7 @@ def child_bare(spec: dict) -> None:
         torch.distributed.init_process_group("nccl" if cuda else "gloo")
     torch.manual_seed(cfg["seed"] + int(os.environ.get("RANK", 0)))
     loaders = _build(cfg["data"])
-    model = _build(cfg["model"]).to(device)
+    model = _build(bare_model_node(cfg["model"])).to(device)
     optimizer = _build(cfg["optimizer"])(model.parameters())
     scheduler = _build(cfg["scheduler"])(optimizer, total_steps=steps)
     if spec.get("ddp"):

@@ -61,7 +61,7 @@ def child_bare(spec: dict) -> None:
     install_step_clock(spec["out"], spec.get("turns"))
     import torch
     import torch.distributed as dist
-    from bench_children import _build
+    from bench_children import _build, bare_model_node
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -76,7 +76,7 @@ def child_bare(spec: dict) -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     torch.manual_seed(cfg["seed"])  # the same initial weights on every rank
     loaders = _build(cfg["data"])
-    model = _build(cfg["model"])
+    model = _build(bare_model_node(cfg["model"]))
     block_mp, root_mp = precision_policies(cfg["trainer"]["mixed_precision"])
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # one, as torchtitan's
     for block in model.blocks:

@@ -39,7 +39,8 @@ def bench_step(args, config: dict, work: Path, results: dict) -> None:
     accelerator = build_accelerator(cfg, work)
     accelerator.init_trackers(cfg.project)
     loaders = instantiate(cfg.data, what="data")
-    model = instantiate(cfg.model, what="model")
+    base_node = bench_project.module("engine.adapters").base_node  # model.peft: none here
+    model = instantiate(base_node(cfg.model), what="model")
     optimizer = instantiate(cfg.optimizer, what="optimizer")(model.parameters())
     model, wrapped, prepared = accelerator.prepare(model, optimizer, loaders.train)
     guard = StepAgreement(  # the loop's: a NaN guard, no signals

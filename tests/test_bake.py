@@ -63,6 +63,7 @@ DOCS_PAGES = (
     "debug",
     "deepspeed",
     "development",
+    "finetune",
     "gpt",
     "hf",
     "kubernetes",
@@ -138,6 +139,7 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "configs/data/hf.yaml",
         "configs/data/images.yaml",
         "configs/data/text.yaml",
+        "configs/data/chat.yaml",
         "configs/model/hf.yaml",
         "configs/model/cnn.yaml",
         "configs/model/gpt.yaml",
@@ -166,6 +168,9 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         f"{pkg}/data/hf.py",
         f"{pkg}/data/images.py",
         f"{pkg}/data/text.py",
+        f"{pkg}/data/chat.py",
+        f"{pkg}/data/packing.py",
+        f"{pkg}/data/assets/chat_arithmetic.jsonl",
         f"{pkg}/data/assets/digits.csv.gz",
         f"{pkg}/data/assets/digits.parquet",
         f"{pkg}/data/assets/tokens_train.bin",
@@ -179,6 +184,8 @@ def expected_files(ctx: dict[str, str]) -> set[str]:
         "tests/test_images.py",
         "tests/test_text_formats.py",
         "tests/test_moe.py",
+        "tests/test_chat.py",
+        "tests/test_packing.py",
     }
     if ctx["license"] != "Proprietary":
         files.add("LICENSE")

@@ -4,6 +4,7 @@ the text goes to stdout and, with the settings, to ``generated.txt`` and
 
     python generate.py ckpt=runs/exp1 prompt="def fib(n):"          # greedy
     python generate.py ckpt=runs/exp1 prompt="def " temperature=0.8 top_k=50 seed=1
+    python generate.py ckpt=runs/chat1 'messages=[{role:user,content:"What is 2 + 3?"}]'
 
 The model and the tokenizer come from the run (data=text: its tokenizer, or bytes);
 data of token ids takes a prompt of ids. docs/text.md.

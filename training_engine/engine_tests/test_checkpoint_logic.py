@@ -169,6 +169,11 @@ def test_config_differences_allow_only_the_listed_keys():
     assert config_differences(saved, current) == ["seed: 1 -> 2"]
     assert config_differences(saved, {**current, "seed": 1}) == []
     assert config_differences({"a": 1}, {}) == ["a: 1 -> '<absent>'"]
+    # a key declared null since (model.peft) is no change; set to a value, it is one
+    assert config_differences({"model": {}}, {"model": {"peft": None}}) == []
+    assert config_differences({"model": {}}, {"model": {"peft": "lora"}}) == [
+        "model.peft: '<absent>' -> 'lora'"
+    ]
     # The example data declares its harmless arguments; the infrastructure names none.
     assert not any(key.startswith(("data.", "model.")) for key in ALLOWED_CONFIG_CHANGES)
     config = {"data": {"_target_": "digit_trainer.data.digits.digits"}}

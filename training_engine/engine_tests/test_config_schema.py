@@ -108,6 +108,7 @@ BAD = {
     "checkpoint.save_on_signal": ["maybe"],
     "checkpoint.async_save": ["maybe"],
     "checkpoint.format": ["zip"],
+    "checkpoint.weights": ["adapter"],
     "preflight.enabled": ["maybe"],
     "preflight.only": ["maybe"],
     "preflight.warmup_steps": [-1],

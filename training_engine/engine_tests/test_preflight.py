@@ -26,6 +26,7 @@ CHECKS = ["devices", "memory", "checkpoint", "disk", "speed", "distributed", "tr
 ESTIMATES = {"steps_per_sec", "eta_s", "checkpoint_bytes", "disk_free_bytes", "peak_memory_bytes"}
 # what eta_s sums, from the run's own plan
 ESTIMATES |= {"steps_left", "step_s", "evaluations", "eval_s", "checkpoints", "checkpoint_s"}
+ESTIMATES |= {"parameters"}  # total, trainable, what frozen ones save (test_peft.py: some)
 # The tests' own modules (engine_tests.faults) must be importable in spawned workers too.
 ENV = {**os.environ, **PATHS}
 
@@ -66,6 +67,8 @@ def test_preflight_only_passes_on_cpu_and_writes_every_field(train_run):
     assert found["speed"] in ("pass", "warn")
     est = data["estimates"]
     assert set(est) == ESTIMATES
+    counts = est.pop("parameters")  # every parameter trains: nothing saved
+    assert counts["trainable"] == counts["total"] > 0 and counts["saved_gradient_bytes"] == 0
     assert all(isinstance(v, int | float) and v > 0 for v in est.values()), est
     # 30 configured steps at the measured speed: the ETA covers at least the steps.
     assert est["eta_s"] >= 30 / est["steps_per_sec"]

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hydra.utils import get_object, instantiate
 from omegaconf import OmegaConf
+from training_engine.adapters import base_node
 from training_engine.config import check_config, resolve_config
 from training_engine.schedules import steps_on_metric
 from training_engine.task import build_task
@@ -78,7 +79,7 @@ def test_option_composes_and_instantiates(group, option, compose_cfg, tmp_path):
 
     # Build the real objects every run builds from this config.
     task = build_task(resolved.task)
-    model = build(resolved.model)
+    model = build(base_node(resolved.model))  # model.peft is the engine's (adapters.py)
     optimizer = instantiate(resolved.optimizer)(task.param_groups(model))
     scheduler = instantiate(resolved.scheduler)(optimizer, total_steps=100)
     loaders = build(resolved.data)

@@ -238,6 +238,9 @@ def check_config(cfg: DictConfig) -> None:
 
     problems = config_problems(cfg)
     problems += _missing_paths(cfg.get("data") or {}, "data")
+    from .adapters import problems as adapter_problems  # model.peft (it imports config)
+
+    problems += adapter_problems(cfg)
     sharded = cfg.parallel.mode in ("fsdp", "deepspeed")
     if cfg.trainer.ema.enabled is True and sharded:
         # Their parameters are sharded: an average per rank would be of one shard.
@@ -343,7 +346,9 @@ def config_differences(
 ) -> list[str]:
     """``key: old -> new`` for every difference outside ``allowed``. A key of the
     engine's schema that one config lacks (written before the key existed) counts as
-    its default there: it ran as the default then."""
+    its default there: it ran as the default then. Any other key null on one side and
+    absent on the other is no difference either: every reader takes both as unset (a
+    project's update that declares ``model.peft: null`` resumes its older runs)."""
     from .schema import defaults
 
     allowed, known = tuple(allowed), defaults()
@@ -359,7 +364,7 @@ def config_differences(
     diffs = []
     for key in sorted(set(old) | set(new)):
         before, after = value(old, key), value(new, key)
-        if before == after:
+        if before == after or (before in (None, "<absent>") and after in (None, "<absent>")):
             continue
         if any(key == a or key.startswith(a + ".") for a in allowed):
             continue

@@ -4,6 +4,10 @@ shape must match, else a ConfigError before any training. Not strict: the keys
 that match in name and shape are loaded; the missing, unexpected and mismatched
 ones are reported in the log and in summary.json. Distinct from
 ``checkpoint.resume``, which continues the same run. docs/lifecycle.md.
+
+``fine_tune`` is the trainer's whole step from the built model to the trained one:
+those weights, then ``model.peft``'s adapter (adapters.py), then the fingerprint of
+the frozen base that trainable-only checkpoints refer to (checkpoint/base.py).
 """
 
 from __future__ import annotations
@@ -12,7 +16,10 @@ import logging
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
+from . import adapters
+from .checkpoint import base
 from .config import ConfigError
 from .inference import read_first_valid
 from .schema import section
@@ -70,3 +77,22 @@ def init_from(checkpoint: Any, *, model: torch.nn.Module) -> dict[str, Any]:
         )
     )
     return {"init_from": report}
+
+
+def fine_tune(cfg: Any, model: torch.nn.Module) -> tuple[torch.nn.Module, dict, base.Base | None]:
+    """(the model to train, summary.json's ``init_from`` report, the fingerprint of its
+    frozen base or None): ``checkpoint.init_from``'s weights loaded into the built
+    model, ``model.peft``'s adapter attached (its matrices from the seed). On every
+    rank, before any sharding: the frozen tensors are whole."""
+    report = init_from(cfg.checkpoint, model=model)
+    model = adapters.attach(model, cfg.model.get(adapters.KEY), cfg.seed)
+    return model, report, base.fingerprint(model, reference(cfg))
+
+
+def reference(config: Any) -> dict[str, Any]:
+    """What a run's frozen base is built from (base.json's ``reference``): the model's
+    node without its adapter, the seed, and init_from's source."""
+    node = adapters.base_node(config["model"])
+    node = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+    checkpoint = config.get("checkpoint") or {}
+    return {"model": node, "seed": config.get("seed"), "init_from": checkpoint.get("init_from")}

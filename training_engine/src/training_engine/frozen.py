@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .adapters import base_node
 from .config import ConfigError, instantiate
 
 
@@ -22,7 +23,8 @@ def build_frozen_models(section: Any, *, device: torch.device) -> dict[str, torc
             continue
         if str(name) == "model":
             raise ConfigError("frozen_models.model is not allowed: `model` is the trained one")
-        model = instantiate(node, what=f"frozen_models.{name}")
+        # a model node copied from the trained one (${model}) names model.peft: not here
+        model = instantiate(base_node(node), what=f"frozen_models.{name}")
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(
                 f"frozen_models.{name}: {type(model).__name__} is not a torch.nn.Module"

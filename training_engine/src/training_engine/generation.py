@@ -5,6 +5,10 @@ files of ids) takes and gives token ids. Greedy by default; ``temperature`` and
 ``top_k`` sample from a generator seeded with ``seed`` (the run's, or the command
 line's): the same seed, the same text (docs/text.md).
 
+A chat model takes ``messages`` instead of a prompt (a list of ``{role, content}``):
+rendered with the run's chat template and the assistant's header (chat.py), the same
+text its training rendered (data=chat), continued until the end-of-turn token.
+
 One sampling loop for every model, not transformers' ``generate``: it draws from the
 global RNG and exists only for transformers models.
 """
@@ -17,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from .chat import chat_template, chat_tokenizer, check_messages, prompt_ids
 from .checkpoint import CheckpointError
 from .config import ConfigError, require
 from .evaluation import prepare
@@ -42,7 +47,12 @@ def main(raw: DictConfig) -> None:
 
 def check_settings(cfg: DictConfig) -> None:
     g = cfg
-    require("prompt", g.prompt, isinstance(g.prompt, str) and g.prompt != "", "a non-empty text")
+    if g.get("messages") is not None:
+        require("prompt", g.prompt, g.prompt is None, "null with messages (one or the other)")
+        check_messages(_messages(g), "messages")
+    else:
+        ok = isinstance(g.prompt, str) and g.prompt != ""
+        require("prompt", g.prompt, ok, "a non-empty text (or messages=[{role,content},...])")
     ok = isinstance(g.max_new_tokens, int) and not isinstance(g.max_new_tokens, bool)
     require("max_new_tokens", g.max_new_tokens, ok and g.max_new_tokens >= 1, "an integer >= 1")
     ok = isinstance(g.temperature, int | float) and not isinstance(g.temperature, bool)
@@ -65,7 +75,16 @@ def generate(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         if ("tokenizer" in data)
         else None
     )
-    prompt = encode(cfg.prompt, tokenizer)
+    messages = _messages(cfg)
+    if messages is not None:  # a chat: the run's template, the assistant's turn to come
+        if tokenizer is None:
+            raise ConfigError("messages is not allowed: this run's data has no tokenizer")
+        template = chat_template(data.get("chat_template"), data.get("tokenizer"))
+        chat = chat_tokenizer(tokenizer, template)
+        prompt = prompt_ids(chat, check_messages(messages, "messages"))
+        text = chat.decode(prompt)  # the rendered conversation, special tokens included
+    else:
+        prompt, text = encode(cfg.prompt, tokenizer), cfg.prompt
     context = model_positions(model) or len(prompt) + cfg.max_new_tokens
     if len(prompt) > context:  # the model sees only its last `context` positions
         log.warning(
@@ -87,7 +106,8 @@ def generate(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     result = {
         "checkpoint": str(loaded.checkpoint),
         "step": loaded.step,
-        "prompt": cfg.prompt,
+        "prompt": text,
+        **({"messages": messages} if messages is not None else {}),
         "continuation": continuation,
         "ids": new,
         "seed": int(cfg.seed),
@@ -95,11 +115,17 @@ def generate(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         "top_k": cfg.top_k,
         "max_new_tokens": cfg.max_new_tokens,
     }
-    write_atomic(out_dir / "generated.txt", cfg.prompt + continuation)
+    write_atomic(out_dir / "generated.txt", text + continuation)
     write_json_atomic(out_dir / "generation.json", result)
     print(continuation)
     log.info(f"{len(new)} tokens from {loaded.checkpoint} (step {loaded.step}): {out_dir}")
     return result
+
+
+def _messages(cfg: DictConfig) -> list | None:
+    """``messages=[{role: user, content: ...}]`` as plain data (None: a prompt)."""
+    found = cfg.get("messages")
+    return OmegaConf.to_container(found) if OmegaConf.is_config(found) else found
 
 
 def next_token(

@@ -22,10 +22,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from . import trust
-from .checkpoint import folder, judge, sharded, ties
+from .checkpoint import base, folder, judge, sharded, ties
 from .checkpoint import format as fmt
 from .checkpoint.format import CheckpointError
-from .config import ConfigError, instantiate, require
+from .config import ConfigError, require
 
 log = logging.getLogger(__name__)
 PICKS = ("best", "latest")
@@ -158,6 +158,8 @@ def read_weights(
             f"{ckpt} holds no EMA weights (trained without trainer.ema.enabled=true): "
             "use weights=raw"
         )
+    if expected is not None and manifest.get("weights") == base.TRAINABLE and weights == "raw":
+        expected = expected.trainable()  # a checkpoint of the trainable weights (base.py)
     # Every file verified, as resume and the CLI do; only these read whole.
     wanted = (name, fmt.CONFIG, ties.TIES_FILE)
     loaded = fmt.verify_files(
@@ -183,13 +185,15 @@ def model_spec(model_config: Any) -> judge.ModelSpec:
     node = OmegaConf.create(model_config)
     key = json.dumps(OmegaConf.to_container(node, resolve=True), sort_keys=True, default=str)
     if key not in _SPECS:
+        from .adapters import build_model  # model.peft: the adapter's names, its frozen base
+
         try:
             with torch.device("meta"):
-                model = instantiate(node, what="model")
-        except ConfigError:
-            raise
-        except Exception:  # e.g. a model that reads a tensor's values while built
-            model = instantiate(node, what="model")
+                model = build_model(node, seed=0)
+        except Exception:  # a model that reads a tensor's values while built, or one
+            # from_pretrained loads (transformers refuses the meta device): on the CPU,
+            # where a config that cannot build fails again, with its own message
+            model = build_model(node, seed=0)
         _SPECS[key] = judge.ModelSpec.of(model)
     return _SPECS[key]
 
@@ -205,7 +209,9 @@ def run_model_spec(ckpt: Path, trusted: Any = ()) -> judge.ModelSpec | None:
         config = _run_config(ckpt)
         where = str(ckpt / fmt.CONFIG)
         node = trusted_config(config, ("model",), trusted=trusted, where=where)["model"]
-        return model_spec(node)
+        spec = model_spec(node)
+        trainable = fmt.read_manifest(ckpt).get("weights") == base.TRAINABLE
+        return spec.trainable() if trainable else spec  # the rest: base.json (base.py)
     except Exception:  # any config: the CLI judges what it can without the model
         return None
 
@@ -257,15 +263,38 @@ def load_checkpoint(
             config, ("model",), trusted=trusted, where=where, hint=TRUST_IN_CALL
         )["model"]
     node = OmegaConf.create(model_config)
-    model = instantiate(node, what="model")
+    manifest = fmt.read_manifest(ckpt)
+    trainable = manifest.get("weights") == base.TRAINABLE and weights == "raw"
+    model = rebuild(node, config, with_base=trainable)
+    if trainable:  # the adapter's base, rebuilt: the one it was trained on, or refused
+        base.check(base.fingerprint(model), read_base(ckpt), ckpt)
     try:
-        model.load_state_dict(state)
+        base.check_loaded(model.load_state_dict(state, strict=not trainable), model)
     except RuntimeError as err:
         raise ConfigError(
             f"{ckpt}: the weights do not fit the model {node._target_}: {err}"
         ) from err
-    step = int(fmt.read_manifest(ckpt)["step"])
-    return Loaded(model.eval(), ckpt, step, weights, config)
+    return Loaded(model.eval(), ckpt, int(manifest["step"]), weights, config)
+
+
+def rebuild(node: Any, config: dict[str, Any], *, with_base: bool) -> torch.nn.Module:
+    """The run's model as the trainer built it (adapters.build_model): from the run's
+    seed and, ``with_base`` (a checkpoint of trainable weights only), its
+    ``checkpoint.init_from`` weights too, before the adapter."""
+    from .adapters import build_model
+    from .finetune import init_from
+
+    source = (config.get("checkpoint") or {}) if with_base else {}
+    init = (lambda model: init_from(source, model=model)) if source.get("init_from") else None
+    return build_model(node, seed=int(config.get("seed") or 0), init=init)
+
+
+def read_base(ckpt: Path) -> dict[str, Any]:
+    """A trainable-only checkpoint's ``base.json``, verified against its manifest."""
+    loaded = fmt.verify_files(ckpt, [base.BASE_FILE], parse=fmt.parse_file)
+    if base.BASE_FILE not in loaded:
+        raise CheckpointError(f"{ckpt}: holds trainable weights only, and no {base.BASE_FILE}")
+    return base.parse(loaded[base.BASE_FILE], str(ckpt / base.BASE_FILE))
 
 
 def load_model(

@@ -18,7 +18,9 @@ NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
 def decay_groups(model: nn.Module) -> list[dict[str, Any]]:
     """``[{"params": decayed}, {"params": the rest, "weight_decay": 0.0}]``; the first
-    keeps the optimizer's own weight_decay."""
+    keeps the optimizer's own weight_decay. An empty group is left out (LoRA adapters
+    are matrices only): torch's flattened optimizer state dict, which sharded
+    checkpoints load through, fails on a group without parameters."""
     decay, no_decay, seen = [], [], set()
     for module in model.modules():
         exempt = (
@@ -29,4 +31,5 @@ def decay_groups(model: nn.Module) -> list[dict[str, Any]]:
                 continue
             seen.add(id(param))
             (no_decay if exempt or name.endswith("bias") or param.ndim < 2 else decay).append(param)
-    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]

@@ -134,11 +134,14 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def save_for_transformers(
-    tokenizer: TextTokenizer, directory: Path, model_max_length: int | None = None
+    tokenizer: TextTokenizer,
+    directory: Path,
+    model_max_length: int | None = None,
+    chat_template: str | None = None,
 ) -> None:
     """``tokenizer.json`` and ``tokenizer_config.json`` that ``AutoTokenizer`` reads:
-    eos (also bos and pad: one end-of-document token) and the model's context length
-    (transformers' default is a 1e30 sentinel)."""
+    eos (also bos and pad: one end-of-document token), the model's context length
+    (transformers' default is a 1e30 sentinel) and a chat model's template (chat.py)."""
     from transformers import PreTrainedTokenizerFast
 
     eos = tokenizer.as_tokenizers().id_to_token(tokenizer.eos_id)
@@ -150,4 +153,6 @@ def save_for_transformers(
         pad_token=eos,
         **limit,
     )
+    if chat_template is not None:
+        fast.chat_template = chat_template  # saved beside it: chat_template.jinja
     fast.save_pretrained(str(directory))

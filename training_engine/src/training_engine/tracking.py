@@ -16,7 +16,7 @@ from accelerate.tracking import GeneralTracker
 from accelerate.utils import DistributedType
 from omegaconf import DictConfig, OmegaConf
 
-from . import upstream
+from . import adapters, upstream
 from .checkpoint import ResumePlan
 from .checkpoint import format as fmt
 from .config import ConfigError, flatten_config
@@ -224,7 +224,10 @@ def log_final_model(
 
     from .checkpoint.ties import load_file  # tied weights: their aliases put back
 
-    model = instantiate(cfg.model)
+    if adapters.settings(cfg.model.get(adapters.KEY)) is not None:  # its weights: the adapter
+        log.info("MLflow: a model.peft run's model is not logged; export --format hf writes it")
+        return
+    model = instantiate(adapters.base_node(cfg.model))  # model.peft is the engine's key
     model.load_state_dict(load_file(weights))
     model.eval()
     x = task.inputs(batch=next(iter(loader)))[:2].cpu()  # 2 rows: the batch dim stays dynamic

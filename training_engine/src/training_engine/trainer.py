@@ -26,6 +26,7 @@ from .accel import (
     tell_deepspeed_the_micro_batch,
     weights_fingerprint,
 )
+from .adapters import base_node, describe_parameters
 from .agreement import StepAgreement
 from .callbacks import Callbacks, RunContext, build_callbacks, stateful
 from .checkpoint import CheckpointManager, plain_model, plan_resume, save_final_weights
@@ -35,7 +36,7 @@ from .config import instantiate, instantiate_partial
 from .debug import Debug
 from .early_stopping import EarlyStopping
 from .ema import WeightAverage
-from .finetune import init_from
+from .finetune import fine_tune
 from .fits import check_model_fits_data
 from .frozen import build_frozen_models
 from .fsdp import shard_model
@@ -112,14 +113,14 @@ class Trainer:
         # each sample's random draws (augmentation) a function of (seed, epoch, index)
         self.loaders = exact_loaders(self.loaders, cfg.seed)
         with same_on_every_rank(cfg.seed), built_whole(accelerator):  # ZeRO-3 too
-            model = instantiate(cfg.model, what="model")
+            model = instantiate(base_node(cfg.model), what="model")  # model.peft: below
             # frozen_models: models the step calls but never trains (e.g. a teacher)
             frozen = build_frozen_models(cfg.frozen_models, device=accelerator.device)
         check_model_fits_data(model, cfg.data)  # vocabulary and positions: exit 2
         self.classes = data_classes(self.loaders)  # ImageFolder's classes, if any
         check_model_fits_classes(model, self.classes)  # the head's size: exit 2
-        # checkpoint.init_from: a new run starting from another run's weights
-        self.fine_tuned = init_from(cfg.checkpoint, model=model)
+        # checkpoint.init_from's weights, then model.peft's adapter (its base fingerprinted)
+        model, self.fine_tuned, self.frozen = fine_tune(cfg, model)
         # parallel=fsdp: each repeated block its own FSDP unit, then the root (else a
         # no-op); before the optimizer, which then holds the sharded parameters
         model = shard_model(model, accelerator=accelerator, parallel=cfg.parallel)
@@ -151,6 +152,7 @@ class Trainer:
             configured=cfg.trainer.grad_accum_steps,
             model=model,  # a checkpoint whose weights or optimizer state do not fit
             optimizer=optimizer,  # them is skipped, named (checkpoint/judge.py)
+            frozen=self.frozen,  # one of trainable weights on another base: exit 2
         )
         self.grad_accum = self.resume.grad_accum
         # The loop's length and cadence, once: the loop runs it, preflight's ETA asks it.
@@ -180,9 +182,7 @@ class Trainer:
         start_trackers(accelerator, cfg, self.resume)  # a resume continues their runs
         watch_model(accelerator, model)  # W&B histograms (tracker.wandb.watch)
         log.info(
-            # ZeRO-3 partitions the parameters: ds_numel is the full count
-            f"{sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters()):,} "
-            f"parameters | {self.total_steps} steps "
+            f"{describe_parameters(model)} | {self.total_steps} steps "
             f"({self.plan.steps_per_epoch or 'a stream: ?'}/epoch) | "
             f"world size {accelerator.num_processes} ({accelerator.distributed_type.value})"
         )
@@ -248,6 +248,7 @@ class Trainer:
             book=self.book,  # which step was a new best of checkpoint.save_best.monitor
             agreement=self.agreement,  # before every save: no checkpoint after a NaN
             timeout_s=cfg.parallel.timeout_s,
+            frozen=self.frozen,  # checkpoint.weights: the trainable state alone (base.py)
         )
         self.start_at = self.ckpt.restore(self.resume)  # 0 unless resuming; every state
         self.step_count, self.epoch = self.start_at.step, self.start_at.epoch
@@ -439,8 +440,8 @@ class Trainer:
         plain = plain_model(accelerator, self.model)  # no DDP/compile wrapper
         log.info(f"final weights fingerprint {weights_fingerprint(plain)}")
         writing = "model.safetensors"  # what a full or read-only disk refused: said
-        try:
-            weights = save_final_weights(accelerator, self.model, run_dir)  # model.safetensors
+        try:  # model.safetensors: the trainable state alone when the checkpoints hold it
+            weights = save_final_weights(accelerator, self.model, run_dir, self.ckpt.trainable_base)
             writing = "the trackers' files"
             log_final_model(accelerator, self.cfg, run_dir, self.loaders.val, task=self.task)
             moments.reached("trackers", step)

@@ -5,13 +5,17 @@ verbs), averages its evaluation with
 ``average_over_batches`` and groups the parameters with ``decay_groups``; a model or
 data function checks its arguments with ``require`` (a bad value is a ``ConfigError``:
 exit 2 before any work); a data function returns ``make_loaders(...)``, and text data
-tokenizes with ``load_tokenizer``; data that caches what it builds holds ``locked``
-meanwhile, so one process of a launch builds and the others read (docs/own-model.md,
-docs/data.md).
+tokenizes with ``load_tokenizer``; chat data renders conversations with the engine's
+chat templates (``chat_template``, ``chat_tokenizer``, ``check_messages``,
+``encode_chat``: ids and the assistant's tokens); data that caches what it builds
+holds ``locked`` meanwhile, so one process of a launch builds and the others read
+(docs/own-model.md, docs/data.md, docs/finetune.md).
 """
 
 from training_engine.batch_means import average_over_batches
 from training_engine.callbacks import Callback
+from training_engine.chat import chat_template, chat_tokenizer, check_messages
+from training_engine.chat import encode as encode_chat
 from training_engine.config import ConfigError, require
 from training_engine.files import locked
 from training_engine.loaders import DataLoaders, make_loaders
@@ -33,7 +37,11 @@ __all__ = [
     "Task",
     "TaskDefaults",
     "average_over_batches",
+    "chat_template",
+    "chat_tokenizer",
+    "check_messages",
     "decay_groups",
+    "encode_chat",
     "load_tokenizer",
     "locked",
     "make_loaders",

@@ -7,6 +7,8 @@ inspect checkpoints.
                                                 weights; a sharded one streamed into one file;
                                                 tied weights once, named in its metadata
                                                 (checkpoint/ties.py: load_file)
+    export PATH --format hf [--adapter]         a transformers directory; a model.peft run
+                                                merged into its base, or its adapter directory
 
 docs/checkpoints.md.
 """
@@ -98,7 +100,9 @@ def _best(path: Path) -> list[Path]:
         return []
 
 
-def _cli_export(path: Path, out: Path, best: bool, form: str, trusted: list[str]) -> int:
+def _cli_export(
+    path: Path, out: Path, best: bool, form: str, trusted: list[str], adapter: bool = False
+) -> int:
     for ckpt in reversed(_best(path) if best else _resolve_many(path)):  # the newest valid one
         try:  # the whole checkpoint, as every reader checks it (format.check_content)
             layout = read_manifest(ckpt).get("layout", "full")
@@ -110,12 +114,16 @@ def _cli_export(path: Path, out: Path, best: bool, form: str, trusted: list[str]
             continue
         if form == "hf":
             try:
-                export_hf(ckpt, out, trusted=trusted)
+                export_hf(ckpt, out, trusted=trusted, adapter=adapter)
             except ConfigError as err:
                 print(f"error: {err}", file=sys.stderr)
                 return 2
-            print(f"exported {ckpt} -> {out} (transformers: from_pretrained({str(out)!r}))")
+            how = "PeftModel.from_pretrained(base, " if adapter else "from_pretrained("
+            print(f"exported {ckpt} -> {out} (transformers: {how}{str(out)!r}))")
             return 0
+        if adapter:
+            print("error: --adapter is an option of --format hf", file=sys.stderr)
+            return 2
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f".{out.name}.tmp")
         if layout == "sharded" and tied:
@@ -135,6 +143,11 @@ def _cli_export(path: Path, out: Path, best: bool, form: str, trusted: list[str]
         print(
             f"exported {ckpt / ('model/' if layout == 'sharded' else 'model.safetensors')} -> {out}"
         )
+        if read_manifest(ckpt).get("weights") == "trainable":  # checkpoint/base.py
+            print(
+                f"{out} holds the trainable weights only (the frozen base: {ckpt}/base.json); "
+                "--format hf writes the whole model"
+            )
         return 0
     print(f"no valid checkpoint in {path}", file=sys.stderr)
     return 1
@@ -168,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
                 help="one model.safetensors, or a transformers directory (model=hf)",
             )
             p.add_argument(
+                "--adapter",
+                action="store_true",
+                help="--format hf of a model.peft run: its adapter directory (default: merged)",
+            )
+            p.add_argument(
                 "--trust",
                 action="append",
                 default=[],
@@ -180,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "verify":
         return _cli_verify(args.path)
     out = args.output or Path("hf-model" if args.format == "hf" else "model.safetensors")
-    return _cli_export(args.path, out, args.best, args.format, args.trust)
+    return _cli_export(args.path, out, args.best, args.format, args.trust, args.adapter)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ TRAINER_STATE = "trainer_state.json"
 CONFIG = "config.json"
 OPTIMIZER_GROUPS = "optimizer_groups.json"  # sharded: the parameter groups, as JSON
 RNG_PREFIX = "rng_rank"
+BASE = "base.json"  # trainable weights only: the frozen base they stand on (base.py)
 LATEST, BEST = "latest.json", "best.json"  # the pointers, beside the step_* folders
 # The layout of a checkpoint folder: raised when a release writes what an older engine
 # could not read (CHANGELOG.md names the migration). Every engine reads every format up
@@ -153,6 +154,8 @@ def read_manifest(ckpt: Path) -> dict[str, Any]:
         missing.append("model/ shard")
     if layout == "deepspeed" and not any(name.startswith(f"{DEEPSPEED_DIR}/") for name in files):
         missing.append(f"{DEEPSPEED_DIR}/ file")
+    if manifest.get("weights") == "trainable" and BASE not in files:
+        missing.append(BASE)  # trainable weights only: the base they stand on (base.py)
     if missing:
         raise CheckpointError(f"{path}: lists no {', '.join(missing)}")
     return manifest
@@ -194,6 +197,7 @@ def check_manifest(manifest: Any) -> dict[str, Any]:
     for key in ("world_size", "grad_accum_steps"):
         _require(_is_count(manifest.get(key, 1)) and manifest.get(key, 1) >= 1, f"bad {key}")
     _require(manifest.get("layout", "full") in LAYOUTS, "unknown layout")
+    _require(manifest.get("weights", "full") in ("full", "trainable"), "unknown weights")
     _require(isinstance(manifest.get("metrics", {}), dict), "metrics is not an object")
     return manifest
 
@@ -222,11 +226,22 @@ def check_object(value: Any) -> dict[str, Any]:
     return value
 
 
+def check_base(value: Any) -> dict[str, Any]:
+    """base.json: a checksum, and per frozen tensor an entry with its checksum."""
+    _require(isinstance(value, dict) and isinstance(value.get("checksum"), str), "no checksum")
+    tensors = value.get("tensors")
+    _require(isinstance(tensors, dict) and bool(tensors), "no tensors")
+    _require(all(isinstance(t, dict) and isinstance(t.get(HASH), str) for t in tensors.values()),
+             "a tensor without its checksum")  # fmt: skip
+    return value
+
+
 # What each JSON file of a checkpoint must hold (checked when parsed).
 JSON_CHECKS: dict[str, Callable[[Any], Any]] = {
     "trainer_state.json": check_trainer_state,
     "config.json": check_object,
     "optimizer_groups.json": check_object,
+    BASE: check_base,
 }
 
 

@@ -24,20 +24,23 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import moments, trust, upstream
 from ..files import fsync_dir, temporary, write_durable
 from ..optimizers import inner_optimizers
-from . import checksums, save, sharded, ties, zero
+from . import base, checksums, save, sharded, ties, zero
 from . import format as fmt
 
 
 def take(
-    layout: str, accelerator: Any, model: torch.nn.Module, optimizer: Any
+    layout: str, accelerator: Any, model: torch.nn.Module, optimizer: Any, trainable: bool = False
 ) -> tuple[dict[str, Any], tuple | None, dict[str, bytes]]:
     """What a save writes, taken now on every rank: the main process's full
     tensors by file name (``full``; collectives under FSDP), or this rank's
-    shards (``sharded``, for ``sharded.write_job``), and extra small files."""
+    shards (``sharded``, for ``sharded.write_job``), and extra small files.
+    ``trainable``: the model's trainable state only (base.py)."""
     main = accelerator.is_main_process
     tied = ties.find(plain_model(accelerator, model))
     if layout == "sharded":
-        model_sd, optim_tensors, plain = sharded.state_dicts(accelerator, model, optimizer)
+        model_sd, optim_tensors, plain = sharded.state_dicts(
+            accelerator, model, optimizer, trainable
+        )
         extra = {fmt.OPTIMIZER_GROUPS: sharded.optimizer_groups_bytes(plain)} if main else {}
         shards, tensors = (model_sd, optim_tensors), {}
     elif layout == "deepspeed":  # the optimizer: DeepSpeed's own files (zero.write_job)
@@ -46,7 +49,7 @@ def take(
         shards, extra = None, {}
         tensors = {"model.safetensors": ties.drop_aliases(weights, tied)} if main else {}
     else:
-        weights = model_state(accelerator, model)  # every name, tied ones too
+        weights = model_state(accelerator, model, trainable)  # every name, tied ones too
         tied = ties.in_state(tied, weights)
         state = ties.drop_aliases(weights, tied), optimizer_state(accelerator, model, optimizer)
         shards, extra = None, {}
@@ -63,15 +66,20 @@ def restore(
     model: torch.nn.Module,
     optimizer: Any,
     loaded: dict[str, Any],
+    trainable: bool = False,
 ) -> None:
-    """Load a verified checkpoint's model and optimizer (``loaded``: its parsed files)."""
+    """Load a verified checkpoint's model and optimizer (``loaded``: its parsed files;
+    ``trainable``: it holds the trainable state only, its base checked already)."""
     if layout == "sharded":
-        sharded.load(ckpt, accelerator, model, optimizer, loaded[fmt.OPTIMIZER_GROUPS])
+        groups = loaded[fmt.OPTIMIZER_GROUPS]
+        sharded.load(ckpt, accelerator, model, optimizer, groups, trainable)
     elif layout == "deepspeed":
         zero.load(ckpt, model)  # the engine; the world size was checked (resume.verify)
     else:
         weights = ties.restore(loaded[fmt.MODEL], ties.of_checkpoint(loaded, ckpt))
-        load_model_and_optimizer(accelerator, model, optimizer, weights, loaded[fmt.OPTIMIZER])
+        load_model_and_optimizer(
+            accelerator, model, optimizer, weights, loaded[fmt.OPTIMIZER], trainable
+        )
 
 
 def plain_model(accelerator: Any, model: torch.nn.Module) -> torch.nn.Module:
@@ -95,13 +103,25 @@ def plain_model(accelerator: Any, model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
-def model_state(accelerator: Any, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def model_state(
+    accelerator: Any, model: torch.nn.Module, trainable: bool = False
+) -> dict[str, torch.Tensor]:
     """The full model state; a collective under FSDP and ZeRO-3 (DeepSpeed's
     16-bit gather, asked of the engine: the main process alone holds the result,
-    gathered one layer at a time; the others get an empty dict)."""
+    gathered one layer at a time; the others get an empty dict). ``trainable``: without
+    the frozen parameters, which FSDP then does not gather at all."""
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         return accelerator.get_state_dict(model) or {}  # the engine, unwrapped inside
-    return accelerator.get_state_dict(plain_model(accelerator, model), unwrap=False)
+    plain = plain_model(accelerator, model)
+    if trainable and accelerator.is_fsdp2:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=True
+        )
+        return get_model_state_dict(plain, options=options)
+    state = accelerator.get_state_dict(plain, unwrap=False)
+    return base.trainable_state(state, plain) if trainable else state
 
 
 def optimizer_state(accelerator: Any, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
@@ -125,13 +145,15 @@ def load_model_and_optimizer(
     optimizer: Any,
     model_state: dict[str, torch.Tensor],
     optimizer_state: dict[str, Any],
+    trainable: bool = False,
 ) -> None:
     """Load full states; under FSDP every rank shards its copy. Tied parameters
-    (stored once) get their aliases back first: a strict load sets every name."""
+    (stored once) get their aliases back first: a strict load sets every name
+    (``trainable``: every name but the frozen parameters', which stay as built)."""
     plain = plain_model(accelerator, model)
     model_state = ties.restore(model_state, ties.find(plain))
     if not accelerator.is_fsdp2:
-        plain.load_state_dict(model_state)
+        base.check_loaded(plain.load_state_dict(model_state, strict=not trainable), plain)
         optimizer.load_state_dict(optimizer_state)
         return
     from torch.distributed.checkpoint.state_dict import (
@@ -140,13 +162,14 @@ def load_model_and_optimizer(
         set_optimizer_state_dict,
     )
 
+    # a partial full state (trainable) keeps every other parameter's own local shard
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(plain, model_state, options=options)
     set_optimizer_state_dict(plain, inner_optimizers(optimizer), optimizer_state, options=options)
 
 
 def save_final_weights(
-    accelerator: Any, model: torch.nn.Module, run_dir: Path
+    accelerator: Any, model: torch.nn.Module, run_dir: Path, frozen: Any = None
 ) -> dict[str, Any] | None:
     """``run_dir/model.safetensors``: the full model in one file, every name its
     class defines but the aliases of tied weights (stored once, named in the
@@ -154,11 +177,15 @@ def save_final_weights(
     fsynced; a collective under FSDP and ZeRO-3 (gathered, ``model_state``). Not
     accelerate's ``save_model``: it unwraps the model through ``unwrap_model`` again
     (see ``plain_model``). Returns the file's entry (size and checksum) for
-    summary.json's ``final_weights`` on the main process, None on the others."""
-    state = model_state(accelerator, model)
+    summary.json's ``final_weights`` on the main process, None on the others.
+    ``frozen`` (a base.Base): the trainable state only, as the checkpoints hold it, with
+    the base it stands on in the metadata (``"base"``)."""
+    state = model_state(accelerator, model, trainable=frozen is not None)
     tied = ties.find(plain_model(accelerator, model))
     tied = ties.in_state(tied, state) if accelerator.is_main_process else tied
     metadata = {"format": "pt", **({ties.METADATA_KEY: json.dumps(tied)} if tied else {})}
+    if frozen is not None:
+        metadata[base.METADATA_KEY] = json.dumps(frozen.to_json())
     entry = None
     if accelerator.is_main_process:  # atomic: a crash leaves the old file or none
         final = Path(run_dir) / fmt.MODEL

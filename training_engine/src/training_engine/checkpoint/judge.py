@@ -56,9 +56,11 @@ class ModelSpec:
 
     tensors: dict[str, tuple[tuple[int, ...], str]]
     tied: dict[str, str] = field(default_factory=dict)
+    frozen: frozenset[str] = frozenset()  # parameters that do not train (model.peft's base)
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelSpec:
+        from .base import frozen_names
         from .save import SAFETENSORS_DTYPES
 
         state = model.state_dict()
@@ -68,7 +70,13 @@ class ModelSpec:
                 for k, v in state.items()
             },
             ties.find(model),
+            frozenset(frozen_names(model) & set(state)),
         )
+
+    def trainable(self) -> ModelSpec:
+        """What a checkpoint of the trainable weights alone holds (base.py)."""
+        kept = {k: v for k, v in self.tensors.items() if k not in self.frozen}
+        return ModelSpec(kept, self.tied)
 
     @classmethod
     def of_state(cls, state: Mapping[str, torch.Tensor]) -> ModelSpec:

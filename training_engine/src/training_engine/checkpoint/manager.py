@@ -25,7 +25,7 @@ from ..config import ConfigError
 from ..loaders import batches_per_epoch
 from ..schema import section
 from ..state import Position, TrainState, rng_state, set_rng_state
-from . import elastic, folder, full_state, policy, resume, save, sharded, zero
+from . import base, elastic, folder, full_state, policy, resume, save, sharded, zero
 from . import format as fmt
 from .format import CheckpointError, ConfigMismatch
 from .resume import ResumePlan
@@ -52,6 +52,7 @@ class CheckpointManager:
         book: Any = None,
         agreement: Any = None,
         timeout_s: float = 1800.0,
+        frozen: base.Base | None = None,
     ) -> None:
         self.ck = section("checkpoint", checkpoint)  # every key (a test may give a few)
         self.config = config
@@ -76,6 +77,12 @@ class CheckpointManager:
         )
         if getattr(accelerator, "distributed_type", None) == DistributedType.DEEPSPEED:
             self.layout = "deepspeed"
+        # checkpoint.weights: the trainable state alone when the model's frozen base
+        # (``frozen``, fingerprinted once when built) is most of it (base.py)
+        self.frozen = frozen
+        trainable = frozen is not None and self.layout != "deepspeed"
+        trainable = trainable and base.resolve(self.ck.weights, state.model) == base.TRAINABLE
+        self.weights = base.TRAINABLE if trainable else base.FULL
         self.agreement = agreement
         self.book = book  # the MetricBook: which step was a new best of save_best.monitor
         if book is not None and self.enabled:
@@ -96,6 +103,12 @@ class CheckpointManager:
                 for path in folder.remove_stale_tmp(self.dir):
                     log.warning(f"removed {path}: left by an interrupted save")
             accelerator.wait_for_everyone()
+
+    @property
+    def trainable_base(self) -> base.Base | None:
+        """The frozen base, when this run saves the trainable weights only (the final
+        model.safetensors too: save_final_weights); else None."""
+        return self.frozen if self.weights == base.TRAINABLE else None
 
     # --- what preflight asks -----------------------------------------------------------
 
@@ -139,7 +152,9 @@ class CheckpointManager:
         """Verify and restore one checkpoint (preflight's round trip), changing
         nothing else; returns its position. Every file is verified and parsed and
         the config compared before a live object is touched."""
-        manifest, files = resume.verify(ckpt, config=self.config, accelerator=self.accelerator)
+        manifest, files = resume.verify(
+            ckpt, config=self.config, accelerator=self.accelerator, frozen=self.frozen
+        )
         return self._apply(ckpt, manifest, files)
 
     def _apply(self, ckpt: Path, manifest: dict[str, Any], loaded: dict[str, Any]) -> Position:
@@ -164,8 +179,15 @@ class CheckpointManager:
         rng_name = next(n for n in loaded if n.startswith(fmt.RNG_PREFIX))
         layout = manifest.get("layout", "full")
         try:
+            trainable = manifest.get("weights") == base.TRAINABLE  # its base was checked
             full_state.restore(
-                layout, ckpt, self.accelerator, self.state.model, self.state.optimizer, loaded
+                layout,
+                ckpt,
+                self.accelerator,
+                self.state.model,
+                self.state.optimizer,
+                loaded,
+                trainable,
             )
             self.state.scheduler.load_state_dict(loaded[fmt.SCHEDULER])
             scaler = getattr(self.accelerator, "scaler", None)
@@ -314,10 +336,13 @@ class CheckpointManager:
         best = new_best or self.best
         blobs = {fmt.rng_file(acc.process_index): save.torch_bytes(rng_state())}
         # full: gathered (collectives under FSDP); sharded: this rank's live shards
+        trainable = self.weights == base.TRAINABLE
         tensors, shards, extra = full_state.take(
-            self.layout, acc, self.state.model, self.state.optimizer
+            self.layout, acc, self.state.model, self.state.optimizer, trainable
         )
         blobs.update(extra)
+        if trainable and acc.is_main_process:  # the reference to what was not saved
+            blobs[fmt.BASE] = self.frozen.to_bytes()
         # on every rank: an extra's state may be gathered (the log window's sums)
         extras = {n: obj.state_dict() for n, obj in self.state.stateful.items()}
         if acc.is_main_process:
@@ -343,6 +368,7 @@ class CheckpointManager:
                 "world_size": acc.num_processes,
                 "grad_accum_steps": acc.gradient_accumulation_steps,
                 "layout": self.layout,
+                "weights": self.weights,  # full | trainable (base.json: the frozen rest)
                 "seed": self.config.get("seed"),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "versions": fmt.versions(),

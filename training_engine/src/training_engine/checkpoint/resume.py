@@ -17,7 +17,7 @@ from typing import Any
 
 from ..config import allowed_config_changes, config_differences
 from ..schema import section
-from . import elastic, folder, judge, sharded, zero
+from . import base, elastic, folder, judge, sharded, zero
 from . import format as fmt
 from .format import CheckpointError, ConfigMismatch
 from .full_state import plain_model
@@ -66,15 +66,18 @@ def verify(
     accelerator: Any,
     model: Any = None,
     optimizer: Any = None,
+    frozen: Any = None,
 ) -> tuple[dict, dict]:
     """(manifest, parsed files) of ``ckpt`` as this rank loads it: every file's size
     and checksum against the manifest, what they hold judged (judge.py), the config
-    compared with this run's, and (given the ``model`` and ``optimizer``, full layout)
-    its weights' names, shapes and dtypes against the model's before anything is read,
-    its optimizer state's tensors against the live optimizer's parameters. CheckpointError
+    compared with this run's, a trainable-only checkpoint's base against this run's
+    (``frozen``: base.fingerprint of the built model), and (given the ``model`` and
+    ``optimizer``, full layout) its weights' names, shapes and dtypes against the
+    model's (its trainable ones, for such a checkpoint) before anything is read, its
+    optimizer state's tensors against the live optimizer's parameters. CheckpointError
     for a damaged or forged one; ConfigMismatch for one of a run whose model, data or
     optimization differ; ConfigError (exit 2) for DeepSpeed's files on another world
-    size or parallel mode (zero.py)."""
+    size or parallel mode (zero.py), or for another base than the checkpoint's (base.py)."""
     manifest = fmt.read_manifest(ckpt)
     fmt.check_format(ckpt, manifest)  # a later release's format: exit 2, not "corrupt"
     zero.check_resumable(ckpt, manifest, accelerator)
@@ -86,7 +89,9 @@ def verify(
     names = [n for n in names if not zero.is_own(n) or zero.loaded_by(n, rank)]
     full = manifest.get("layout", "full") == "full" and model is not None
     plain = plain_model(accelerator, model) if full else None
+    trainable = manifest.get("weights") == base.TRAINABLE  # the rest: base.json
     expected = judge.ModelSpec.of(plain) if full else None
+    expected = expected.trainable() if expected is not None and trainable else expected
     files = fmt.verify_files(ckpt, names, parse=_parse, expected=expected)  # every rank
     allowed = allowed_config_changes(config)
     diffs = config_differences(files[fmt.CONFIG], config, allowed)
@@ -97,6 +102,8 @@ def verify(
             "Start a new run (another run_name, or checkpoint.resume=never), or put "
             "the keys back. Allowed to change: " + ", ".join(allowed)
         )
+    if trainable:  # the adapter onto another base: refused before any work (exit 2)
+        base.check(frozen, files[fmt.BASE], ckpt)
     if full and optimizer is not None:  # before load_state_dict, which takes any shape
         problem = judge.optimizer_problem(files[fmt.OPTIMIZER], judge.live_shapes(optimizer, plain))
         if problem:
@@ -119,6 +126,7 @@ def plan_resume(
     configured: int,
     model: Any = None,
     optimizer: Any = None,
+    frozen: Any = None,
 ) -> ResumePlan:
     """The plan for ``checkpoint.resume`` (``cfg.checkpoint``); sets the planned
     accumulation on ``accelerator``. A collective when there are checkpoints.
@@ -155,7 +163,8 @@ def plan_resume(
         if mode == "auto" and not found:
             log.info(f"no checkpoint in {own_dir}: starting from scratch")
         else:
-            plan = _agreed(found, mode, own_dir, config, accelerator, (model, optimizer))
+            live = (model, optimizer, frozen)  # frozen: the base's fingerprint (base.py)
+            plan = _agreed(found, mode, own_dir, config, accelerator, live)
             plan = _with_accumulation(plan, accelerator.num_processes, configured)
     accelerator.gradient_accumulation_steps = plan.grad_accum
     return plan
@@ -203,9 +212,14 @@ def _first_valid(
         if bound is not None and folder.step_of(ckpt) > bound:
             continue
         try:
-            model, optimizer = live
+            model, optimizer, frozen = live
             manifest, files = verify(
-                ckpt, config=config, accelerator=accelerator, model=model, optimizer=optimizer
+                ckpt,
+                config=config,
+                accelerator=accelerator,
+                model=model,
+                optimizer=optimizer,
+                frozen=frozen,
             )
         except ConfigMismatch as err:
             # Another run's checkpoint (checkpoint.resume=PATH): no fallback fixes that.

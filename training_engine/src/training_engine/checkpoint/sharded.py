@@ -23,8 +23,8 @@ import torch
 
 from .. import moments, upstream
 from ..optimizers import inner_optimizers
+from . import base, full_state, ties
 from . import format as fmt
-from . import full_state, ties
 from .format import SHARD_DIRS, CheckpointError
 
 MODEL_DIR, OPTIMIZER_DIR = SHARD_DIRS
@@ -39,19 +39,22 @@ def _options() -> Any:
 
 
 def state_dicts(
-    accelerator: Any, model: torch.nn.Module, optimizer: Any
+    accelerator: Any, model: torch.nn.Module, optimizer: Any, trainable: bool = False
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """This rank's view of the live state, no gathering: model tensors (DTensor
-    shards under FSDP; a tied parameter under its kept name only, ties.py),
-    optimizer tensors (flattened, ``state.<param>.<key>``: kept names already)
-    and the optimizer's plain values (``param_groups.<param>.<key>``, for JSON)."""
+    shards under FSDP; a tied parameter under its kept name only, ties.py; without
+    the frozen parameters when ``trainable``, base.py), optimizer tensors (flattened,
+    ``state.<param>.<key>``: kept names already) and the optimizer's plain values
+    (``param_groups.<param>.<key>``, for JSON)."""
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
     plain = full_state.plain_model(accelerator, model)
-    model_sd = ties.drop_aliases(get_model_state_dict(plain), ties.find(plain))
+    options = StateDictOptions(ignore_frozen_params=trainable)
+    model_sd = ties.drop_aliases(get_model_state_dict(plain, options=options), ties.find(plain))
     optim_sd = get_optimizer_state_dict(plain, inner_optimizers(optimizer), options=_options())
     tensors = {k: v for k, v in optim_sd.items() if isinstance(v, torch.Tensor)}
     plain_values = {k: _jsonable(v) for k, v in optim_sd.items() if k not in tensors}
@@ -150,24 +153,30 @@ def load(
     model: torch.nn.Module,
     optimizer: Any,
     plain_values: dict[str, Any],
+    trainable: bool = False,
 ) -> None:
     """Restore model and optimizer from ``ckpt``'s shards into the live objects,
     whatever the world size and parallel mode now: each rank reads only the
-    slices of its own shards (collectives under several processes)."""
+    slices of its own shards (collectives under several processes). ``trainable``:
+    the shards hold the trainable state only; the frozen parameters stay as built."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
     plain = full_state.plain_model(accelerator, model)
     inner = inner_optimizers(optimizer)  # one, or the list of several (optimizers.py)
-    model_sd, optim_tensors, _ = state_dicts(accelerator, model, optimizer)
+    model_sd, optim_tensors, _ = state_dicts(accelerator, model, optimizer, trainable)
     try:
         dcp.load(model_sd, storage_reader=HuggingFaceStorageReader(str(ckpt / MODEL_DIR)))
-        set_model_state_dict(plain, ties.restore(model_sd, ties.find(plain)))  # strict
+        restored = ties.restore(model_sd, ties.find(plain))
+        # strict, or (trainable) strict about everything but the frozen parameters
+        options = StateDictOptions(strict=not trainable)
+        base.check_loaded(set_model_state_dict(plain, restored, options=options), plain)
         reader = HuggingFaceStorageReader(str(ckpt / OPTIMIZER_DIR))
         dcp.load(optim_tensors, storage_reader=reader)
     except CheckpointException as err:  # a BaseException: the caller sees a RuntimeError

@@ -156,13 +156,40 @@ def local_bytes(tensors: Any) -> int:
     return total
 
 
+def parameters(state: TrainState, timing: Timing) -> dict[str, int]:
+    """The model's parameters (total, trainable: each shared one once) and, per rank,
+    what its frozen ones save: no gradients, and no optimizer state at the bytes per
+    trainable byte the optimizer holds after the timed steps (model.peft's base)."""
+    unique = list({id(p): p for p in state.model.parameters()}.values())
+    trainable = [p for p in unique if p.requires_grad]
+    frozen_bytes = local_bytes(p for p in unique if not p.requires_grad)
+    per_byte = timing.optimizer_bytes / max(1, local_bytes(trainable))
+    return {
+        "total": sum(p.numel() for p in unique),
+        "trainable": sum(p.numel() for p in trainable),
+        "saved_gradient_bytes": frozen_bytes,
+        "saved_optimizer_bytes": int(frozen_bytes * per_byte),
+    }
+
+
 def check_memory(cfg: DictConfig, acc: Any, state: TrainState, timing: Timing) -> Check:
     params = list(state.model.parameters())
     param_bytes = local_bytes(params)
     grad_bytes = local_bytes(p for p in params if p.requires_grad)
+    counts = parameters(state, timing)
+    share = counts["trainable"] / max(1, counts["total"])
+    saved = counts["saved_gradient_bytes"] + counts["saved_optimizer_bytes"]
     sizes = (
-        f"parameters {mib(param_bytes)}, gradients {mib(grad_bytes)}, "
+        f"parameters {counts['total']:,} ({counts['trainable']:,} trainable, {share:.2%}) "
+        f"{mib(param_bytes)}, gradients {mib(grad_bytes)}, "
         f"optimizer state {mib(timing.optimizer_bytes)} per rank"
+        + (
+            f"; the frozen ones save {mib(saved)} per rank (gradients "
+            f"{mib(counts['saved_gradient_bytes'])}, optimizer state "
+            f"{mib(counts['saved_optimizer_bytes'])})"
+            if saved
+            else ""
+        )
     )
     if timing.out_of_memory:
         return Check(

@@ -36,6 +36,7 @@ from .checks import (
     check_trackers,
     hms,
     mib,
+    parameters,
 )
 from .probe import round_trip_and_timing, scratch_dir
 
@@ -92,6 +93,8 @@ def run_preflight(
         "checkpoint_bytes": rt.checkpoint_bytes,
         "disk_free_bytes": free,
         "peak_memory_bytes": rt.timing.peak_bytes,
+        # total and trainable; what the frozen ones save per rank (model.peft)
+        "parameters": parameters(state, rt.timing),
     }
 
     # Every rank ran the same checks: the worst status of each, on every rank.

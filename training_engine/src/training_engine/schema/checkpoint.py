@@ -83,3 +83,9 @@ class Checkpoint(Section):
             "auto (sharded under FSDP, else full), full or sharded",
         ),
     )
+    weights: str = setting(
+        "auto",
+        "auto: the trainable weights alone, base.json naming the frozen rest, when frozen "
+        "parameters are most of the model (model.peft) | full | trainable",
+        either("auto", "full", "trainable"),
+    )

@@ -11,10 +11,14 @@ files and cached, then read window by window like ``data=token_file`` (docs/text
   was read and how.
 - A tokenizer: a ``tokenizer.json`` or a Hugging Face tokenizer directory; bytes when
   none is given (``tokenizer: null``: 257 ids, no package needed).
-- Documents are joined with the end-of-document token and split into train and
-  validation by document (a fixed ``val_fraction`` of them, chosen with
-  ``split_seed``; one document: its last tokens), then packed into ``seq_len``
-  windows.
+- Documents are split into train and validation by document (a fixed
+  ``val_fraction`` of them, chosen with ``split_seed``; one document: its last
+  tokens), each ending with the end-of-document token. ``packing: windows`` (the
+  default): joined and cut into ``seq_len`` windows, where a token attends to the
+  documents before it in its window (any model takes them). ``packing: documents``:
+  whole documents packed into rows whose attention and positions restart at each
+  document (packing.py; a document longer than a row is cut into pieces); the model
+  takes ``position_ids`` (model=gpt and model=hf do).
 - The token files and their sidecar JSON go to ``cache_dir/<key>/``, where the key is
   the files (names, sizes, modification times), the tokenizer and the options: a
   second run with the same key reads them instead of tokenizing again. One process
@@ -40,12 +44,14 @@ from typing import Any
 
 import numpy as np
 
-from ..contract import ConfigError, DataLoaders, load_tokenizer, locked, require
+from ..contract import ConfigError, DataLoaders, load_tokenizer, locked, make_loaders, require
+from .packing import PackedRows, pack, pieces
 from .token_file import token_file, write_tokens
 
 log = logging.getLogger(__name__)
 
 DOCUMENTS = ("file", "line")
+PACKING = ("windows", "documents")  # join and cut | whole documents, attention per document
 CACHE_FORMAT = 2  # part of the key: a change to how files are read or written makes new ones
 # Bytes that are not valid UTF-8 become U+FFFD up to this share of a file (a stray
 # byte in a large corpus); beyond it the file is not UTF-8 text and is refused.
@@ -74,6 +80,7 @@ def text(
     split_seed: int = 0,
     windows: str = "random",
     samples_per_epoch: int | None = None,
+    packing: str = "windows",
     cache_dir: str = ".cache/text",
     val_batch_size: int = 64,
     num_workers: int = 0,
@@ -82,6 +89,10 @@ def text(
     """Loaders over the token files of ``files`` (module docstring). ``vocab_size`` is
     the tokenizer's (``${tokenizer_vocab:...}``; models read it as ``${data.vocab_size}``)."""
     require("data.document", document, document in DOCUMENTS, f"one of {', '.join(DOCUMENTS)}")
+    require("data.packing", packing, packing in PACKING, f"one of {', '.join(PACKING)}")
+    packed = packing == "documents"
+    ok = isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len >= 1
+    require("data.seq_len", seq_len, ok, "an integer >= 1")
     require(
         "data.val_fraction",
         val_fraction,
@@ -96,11 +107,23 @@ def text(
         vocab_size == codec.vocab_size,
         f"the tokenizer's vocabulary size, {codec.vocab_size}",
     )
-    key = cache_key(paths, codec.fingerprint(), document, column, val_fraction, split_seed)
+    options = (document, column, val_fraction, split_seed, *([packing, seq_len] if packed else []))
+    key = cache_key(paths, codec.fingerprint(), *options)
     folder = Path(cache_dir) / key
     with locked(Path(cache_dir) / f"{key}.lock"):  # one process of a launch tokenizes
-        if not (folder / "val.json").is_file():
-            _tokenize_into(folder, paths, codec, document, column, val_fraction, split_seed)
+        if not (folder / "source.json").is_file():
+            split = _split_documents(paths, codec, document, column, val_fraction, split_seed)
+            _write(folder, codec, split, seq_len if packed else None)
+    if packed:
+        return make_loaders(
+            PackedRows(folder / "train.npy"),
+            PackedRows(folder / "val.npy"),
+            batch_size=batch_size,
+            val_batch_size=val_batch_size,
+            seed=seed,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+        )
     meta = json.loads((folder / "train.json").read_text())
     return token_file(
         batch_size=batch_size,
@@ -195,6 +218,17 @@ def read_file(path: Path, document: str, column: str) -> tuple[list[str], dict[s
         texts = [t for t in texts if t]
     report |= {"documents": len(texts), "characters": sum(map(len, texts))}
     return texts, report
+
+
+def json_rows(path: Path) -> tuple[list[Any], dict[str, Any]]:
+    """The rows of a JSON lines file or a JSON array, compressed or not (data=chat's
+    conversations), and what was read; refused as ``read_file`` refuses."""
+    compression = COMPRESSED.get(path.suffix.lower())
+    raw = _read_bytes(path, compression)
+    decoded, invalid = _decode(path, raw)
+    rows = _json_rows(path, decoded)
+    report = {"path": str(path), "compression": compression or "none", "bytes": len(raw)}
+    return rows, {**report, "format": "json", "rows": len(rows), "invalid_bytes": invalid}
 
 
 def _read_bytes(path: Path, compression: str | None) -> bytes:
@@ -294,7 +328,9 @@ def check_round_trip(codec: Any, documents: list[str], sample: int = 200) -> flo
     return share
 
 
-def _tokenize_into(folder, paths, codec, document, column, val_fraction, split_seed) -> None:
+def _split_documents(paths, codec, document, column, val_fraction, split_seed) -> dict[str, Any]:
+    """Every file read and tokenized: the train and validation documents (token ids,
+    each ending with the end-of-document token) and what was read, per file."""
     documents, reports = [], []
     for path in paths:
         texts, report = read_file(path, document, column)
@@ -302,32 +338,45 @@ def _tokenize_into(folder, paths, codec, document, column, val_fraction, split_s
         reports.append(report)
     require("data.files", [str(p) for p in paths], bool(documents), "files holding some text")
     check_round_trip(codec, documents)
-    ids = codec.encode_batch(documents)
+    eos = np.array([codec.eos_id], dtype=np.int64)
+    encoded = codec.encode_batch(documents)
+    ids = [np.concatenate([np.asarray(d, dtype=np.int64), eos]) for d in encoded]
     order = list(range(len(ids)))
     random.Random(split_seed).shuffle(order)
     n_val = max(1, round(len(ids) * val_fraction)) if len(ids) > 1 else 0
-    val_docs, train_docs = sorted(order[:n_val]), sorted(order[n_val:])
-
-    def joined(indices: list[int]) -> np.ndarray:
-        eos = np.array([codec.eos_id], dtype=np.int64)
-        parts = [part for i in indices for part in (np.asarray(ids[i], dtype=np.int64), eos)]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-    train, val = joined(train_docs), joined(val_docs)
+    train, val = [ids[i] for i in sorted(order[n_val:])], [ids[i] for i in sorted(order[:n_val])]
     if not n_val:  # one document: its last tokens validate
-        cut = len(train) - max(1, round(len(train) * val_fraction))
-        train, val = train[:cut], train[cut:]
+        cut = len(train[0]) - max(1, round(len(train[0]) * val_fraction))
+        train, val = [train[0][:cut]], [train[0][cut:]]
+    return {"train": train, "val": val, "files": reports, "documents": (len(ids) - n_val, n_val)}
+
+
+def _write(folder: Path, codec: Any, split: dict[str, Any], seq_len: int | None) -> None:
+    """The token files of a split (``seq_len``: packed rows, else the documents joined)
+    and source.json into ``folder``, which appears whole or not at all."""
     tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    write_tokens(tmp / "train.bin", train, codec.vocab_size)
-    write_tokens(tmp / "val.bin", val, codec.vocab_size)
+    report: dict[str, Any] = {"tokens": {}}
+    for name in ("train", "val"):
+        docs = split[name]
+        report["tokens"][name] = sum(len(d) for d in docs)
+        if seq_len is None:
+            joined = np.concatenate(docs) if docs else np.zeros(0, dtype=np.int64)
+            write_tokens(tmp / f"{name}.bin", joined, codec.vocab_size)
+            continue
+        cut = [p for d in docs for p in pieces(d, np.ones_like(d), seq_len + 1)]
+        rows, packed = pack(cut, seq_len, codec.eos_id)
+        require("data.seq_len", seq_len, len(rows) > 0, f"a length the {name} documents fill")
+        np.save(tmp / f"{name}.npy", rows)
+        report.setdefault("packing", {})[name] = {**packed, "pieces": len(cut)}
+    train_docs, val_docs = split["documents"]
     (tmp / "source.json").write_text(
         json.dumps(
             {
-                "files": reports,  # per file: how it was read, documents, bytes
-                "documents": {"train": len(train_docs), "val": len(val_docs)},
-                "tokens": {"train": len(train), "val": len(val)},
+                "files": split["files"],  # per file: how it was read, documents, bytes
+                "documents": {"train": train_docs, "val": val_docs},
+                **report,  # tokens per split; packed: rows, pieces, padding, targets
                 "tokenizer": codec.source or "bytes",
                 "eos_id": codec.eos_id,
             },

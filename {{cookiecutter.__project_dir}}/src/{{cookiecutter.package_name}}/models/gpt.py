@@ -5,6 +5,12 @@ Pre-norm blocks with causal self-attention through ``F.scaled_dot_product_attent
 returns logits of shape (batch, seq_len, vocab_size); train.py's cross-entropy
 treats every position as one prediction (task.py). ``flops_per_token`` lets train.py
 report MFU (model FLOPs utilization) next to tokens/s.
+
+Packed documents (data/packing.py): ``position_ids`` that restart at 0 where a document
+begins, as transformers models take them; each token then attends to the tokens of
+its own document only (a block-diagonal causal mask, the documents found where the
+position ids do not go up by one, as transformers finds them). ``model.peft=lora``
+adapts the attention's projections (``peft_target_modules``).
 """
 
 import math
@@ -25,15 +31,16 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq, width = x.shape
         q, k, v = self.qkv(x).view(batch, seq, 3, self.n_head, width // self.n_head).unbind(2)
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
+            attn_mask=mask,  # packed documents: block-diagonal and causal; else None
             dropout_p=self.dropout if self.training else 0.0,
-            is_causal=True,
+            is_causal=mask is None,
         )
         return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
 
@@ -51,14 +58,29 @@ class Block(nn.Module):
         )
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm1(x)))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm1(x), mask))
         return x + self.drop(self.mlp(self.norm2(x)))
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, T, T) bool: query i sees key j when j <= i in the same document; a
+    document begins where the position ids do not go up by one."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    document = starts.cumsum(dim=1)
+    same = document[:, :, None] == document[:, None, :]
+    seq = position_ids.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=position_ids.device).tril()
+    return (same & causal)[:, None]
 
 
 class GPT(nn.Module):
     """``n_layer`` blocks of width ``d_model`` with ``n_head`` heads, over
     sequences of up to ``seq_len`` tokens from a vocabulary of ``vocab_size``."""
+
+    # model.peft=lora's default target modules: the attention's projections
+    peft_target_modules = ("qkv", "proj")
 
     def __init__(
         self,
@@ -108,11 +130,17 @@ class GPT(nn.Module):
         """One sample is a sequence of ``seq_len`` tokens (preflight's MFU uses this)."""
         return self.flops_per_token() * self.seq_len
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of ``idx``; ``position_ids`` (batch, T): packed documents (module
+        docstring), else one sequence per row from position 0."""
         if idx.shape[1] > self.seq_len:
             raise ValueError(f"sequence of {idx.shape[1]} tokens > model.seq_len={self.seq_len}")
-        pos = torch.arange(idx.shape[1], device=idx.device)
+        mask = None
+        if position_ids is None:
+            pos = torch.arange(idx.shape[1], device=idx.device)
+        else:
+            pos, mask = position_ids, document_mask(position_ids)
         x = self.drop(self.tokens(idx) + self.positions(pos))
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         return self.head(self.norm(x))
