@@ -71,7 +71,11 @@ def test_cruft_update_brings_template_changes_and_keeps_the_projects(tmp_path, c
     # the engine's pin (its commit), nothing else.
     pinned_at = f"@{baked_at}#subdirectory=training_engine"
     assert pinned_at in (project / "pyproject.toml").read_text()
-    edit(template / ENGINE_FILE, "        3,\n        \"the newest N", "        5,\n        \"the newest N")
+    edit(
+        template / ENGINE_FILE,
+        '        3,\n        "the newest N',
+        '        5,\n        "the newest N',
+    )
     git(template, "commit", "-q", "-am", "keep 5 checkpoints")
     updated_to = update(project)
     assert changes(project) == [".cruft.json", "pyproject.toml"]  # no conflicts, no .rej

@@ -243,9 +243,7 @@ def position_problem(trainer: dict, manifest: dict, config: dict) -> str | None:
     if _count(max_steps) and step > max_steps:
         return f"its step {step} is past its run's length (trainer.max_steps={max_steps})"
     if _count(max_steps):  # the epochs max_steps takes (a stream: no epochs to count)
-        epochs = (
-            math.ceil(max_steps * accum / per_epoch) if per_epoch else None
-        )
+        epochs = math.ceil(max_steps * accum / per_epoch) if per_epoch else None
     else:
         epochs = max_epochs if _count(max_epochs) else None
         # a step takes a micro-batch at least, of at most per_epoch x world per epoch
