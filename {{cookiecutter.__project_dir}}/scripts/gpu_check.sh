@@ -6,7 +6,10 @@
 # params with fp32 reduction; CPU offload with activation checkpointing); and with
 # 2+ GPUs NCCL DDP (self-launched and torchrun) and FSDP through accelerate's own
 # GPU code path, for the digits task and the GPT (with and without activation
-# checkpointing).
+# checkpointing). Exact resume on CUDA: runs stopped with SIGTERM after their first
+# checkpoint and rerun must end with the weights of an uninterrupted run, byte for byte
+# (digits in deterministic mode, the GPT in bf16, a LoRA fine-tune on chat data, and
+# torchvision augmentation with 2 loader workers where torchvision imports).
 #
 #   pip install -e '.[dev]' && bash scripts/gpu_check.sh
 #
@@ -63,6 +66,33 @@ PY
   fi
 }
 
+# resume_check NAME -- ARGS...: the run whole, then the same run stopped with SIGTERM
+# once its first checkpoint is committed and rerun; both final weights must be equal.
+resume_check() {
+  local name=$1 start=$SECONDS
+  shift 2
+  local whole="$OUT/resume_$name-whole" cut="$OUT/resume_$name-cut" log="$OUT-resume_$name.log"
+  python train.py "$@" tracker=csv "hydra.run.dir=$whole" >"$log" 2>&1
+  python train.py "$@" tracker=csv "hydra.run.dir=$cut" >>"$log" 2>&1 &
+  local pid=$!
+  until ls -d "$cut"/checkpoints/step_* >/dev/null 2>&1 || ! kill -0 $pid 2>/dev/null; do
+    sleep 0.1
+  done
+  kill -TERM $pid 2>/dev/null
+  wait $pid
+  local stopped=$? at
+  at=$(ls "$cut/checkpoints" | grep step_ | tail -1)
+  python train.py "$@" tracker=csv "hydra.run.dir=$cut" >>"$log" 2>&1
+  if [ "$stopped" -eq 143 ] && [ -s "$whole/model.safetensors" ] &&
+     cmp -s "$whole/model.safetensors" "$cut/model.safetensors" &&
+     python -m training_engine.checkpoint verify "$cut" >>"$log" 2>&1; then
+    echo "PASS  resume_$name ($((SECONDS - start)) s) stopped at $at, final weights identical"
+  else
+    echo "FAIL  resume_$name (stop exit $stopped): see $log"
+    FAILED=1
+  fi
+}
+
 mkdir -p "$OUT"
 check cuda_fp32 1 NO "$DIGITS" -- python train.py
 check cuda_bf16 1 NO "$DIGITS" -- python train.py trainer.mixed_precision=bf16
@@ -76,6 +106,18 @@ check gpt_fsdp_one_gpu 1 FSDP "$GPT_OK" -- python train.py "${GPT[@]}" parallel=
 check gpt_fsdp_offload_ac 1 FSDP "$GPT_OK" -- python train.py "${GPT[@]}" parallel=fsdp \
   parallel.num_processes=1 parallel.cpu_offload=true parallel.activation_checkpointing=true \
   trainer.compile=false
+resume_check digits_deterministic -- seeding=deterministic trainer.max_epochs=4
+resume_check gpt_bf16 -- model=gpt data=tokens trainer.mixed_precision=bf16 \
+  trainer.max_steps=200 trainer.eval_every_n_steps=100 checkpoint.every_n_steps=40
+resume_check gpt_lora_bf16 -- model=gpt data=chat model.peft=lora \
+  trainer.mixed_precision=bf16 trainer.max_steps=120 checkpoint.every_n_steps=30
+if python -c "import torchvision" 2>/dev/null; then
+  resume_check torchvision_augment -- data=images model=cnn data.num_workers=2 \
+    'data.augment=[{_target_:torchvision.transforms.v2.RandomAffine,degrees:10.0,translate:[0.1,0.1]},{_target_:torchvision.transforms.v2.RandomCrop,size:[8,8],padding:1}]' \
+    trainer.max_epochs=3 checkpoint.every_n_steps=10
+else
+  echo "SKIP  resume_torchvision_augment: torchvision does not import"
+fi
 if [ "$GPUS" -ge 2 ]; then
   check ddp_nccl_bf16 2 MULTI_GPU "$DIGITS" -- python train.py parallel=ddp \
     parallel.num_processes=2 trainer.mixed_precision=bf16
