@@ -92,9 +92,11 @@ def verify(
     trainable = manifest.get("weights") == base.TRAINABLE  # the rest: base.json
     expected = judge.ModelSpec.of(plain) if full else None
     expected = expected.trainable() if expected is not None and trainable else expected
-    files = fmt.verify_files(ckpt, names, parse=_parse, expected=expected)  # every rank
+    # The config first (a small file, verified alone): a checkpoint of another run is
+    # named by the keys that differ, not by the shapes its weights then do not fit.
+    saved_config = fmt.verify_files(ckpt, [fmt.CONFIG], parse=_parse)[fmt.CONFIG]
     allowed = allowed_config_changes(config)
-    diffs = config_differences(files[fmt.CONFIG], config, allowed)
+    diffs = config_differences(saved_config, config, allowed)
     if diffs:
         raise ConfigMismatch(
             f"cannot resume from {ckpt}: the config differs in keys that change the "
@@ -102,6 +104,7 @@ def verify(
             "Start a new run (another run_name, or checkpoint.resume=never), or put "
             "the keys back. Allowed to change: " + ", ".join(allowed)
         )
+    files = fmt.verify_files(ckpt, names, parse=_parse, expected=expected)  # every rank
     if trainable:  # the adapter onto another base: refused before any work (exit 2)
         base.check(frozen, files[fmt.BASE], ckpt)
     if full and optimizer is not None:  # before load_state_dict, which takes any shape
