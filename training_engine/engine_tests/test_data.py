@@ -17,7 +17,6 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.data_loader import prepare_data_loader
 from digit_trainer.data.digits import load_digits
 from digit_trainer.data.hf import hf
-from digit_trainer.data.token_file import TokenStream, token_file, write_tokens
 from digit_trainer.data.tokens import copy_task_sequences, markov_language
 from torch.utils.data import (
     DistributedSampler,
@@ -38,6 +37,7 @@ from training_engine.loaders import (
     make_loaders,
     run_length,
 )
+from training_engine.token_file import TokenStream, token_file, write_tokens
 
 from .conftest import ENV, FAST, PROJECT_ROOT, fingerprints, run_train
 from .faults import sample_hash

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from training_engine.config import ConfigError
 
+from {{ cookiecutter.package_name }}.contract import IGNORE
 from {{ cookiecutter.package_name }}.data.chat import chat
-from {{ cookiecutter.package_name }}.data.packing import IGNORE
 
 pytest.importorskip("transformers", reason="chat templates are transformers' (the hf extra)")
 

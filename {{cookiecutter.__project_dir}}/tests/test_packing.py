@@ -1,4 +1,4 @@
-"""Packed documents do not see each other (data/packing.py, docs/finetune.md): a
+"""Packed documents do not see each other (training_engine.packing, docs/finetune.md): a
 document's logits are its logits alone whatever is packed before it, for model=gpt and
 for transformers models (GPT-2, Llama) called the way the task calls them; rows are
 packed tightly, positions restart per document, the targets of padding are ignored;
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from {{ cookiecutter.package_name }}.data.packing import IGNORE, pack, pieces
+from {{ cookiecutter.package_name }}.contract import IGNORE, pack, pieces
 from {{ cookiecutter.package_name }}.data.text import text
 from {{ cookiecutter.package_name }}.models.gpt import GPT
 from {{ cookiecutter.package_name }}.tasks.language_model import LanguageModel

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from training_engine.config import ConfigError
 
-from {{ cookiecutter.package_name }}.data.text import check_round_trip, read_file, text
+from {{ cookiecutter.package_name }}.contract import read_file
+from {{ cookiecutter.package_name }}.data.text import check_round_trip, text
 
 DOCS = ["first document: naïve café 日本\nwith two lines", "second one", "third, the last"]
 

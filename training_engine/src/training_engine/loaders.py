@@ -32,6 +32,10 @@ from . import samplers
 from .config import ConfigError, require
 from .seeding import seed_worker
 
+# Data arguments that never change which samples a step sees: a resumed run may change
+# them (a data function lists them as its ``resume_may_change``).
+LOADER_KEYS = ("num_workers", "pin_memory", "val_batch_size")
+
 
 @dataclass
 class DataLoaders:

@@ -7,7 +7,9 @@ data function checks its arguments with ``require`` (a bad value is a ``ConfigEr
 exit 2 before any work); a data function returns ``make_loaders(...)``, and text data
 tokenizes with ``load_tokenizer``; chat data renders conversations with the engine's
 chat templates (``chat_template``, ``chat_tokenizer``, ``check_messages``,
-``encode_chat``: ids and the assistant's tokens); data that caches what it builds
+``encode_chat``: ids and the assistant's tokens); text files are read, or refused
+naming the file, by ``read_file``, ``json_rows`` and ``find_files``; sequences are
+packed per document by ``pack`` and ``PackedRows``; data that caches what it builds
 holds ``locked`` meanwhile, so one process of a launch builds and the others read
 (docs/own-model.md, docs/data.md, docs/finetune.md).
 """
@@ -18,21 +20,22 @@ from training_engine.chat import chat_template, chat_tokenizer, check_messages
 from training_engine.chat import encode as encode_chat
 from training_engine.config import ConfigError, require
 from training_engine.files import locked
-from training_engine.loaders import DataLoaders, make_loaders
+from training_engine.loaders import LOADER_KEYS, DataLoaders, make_loaders
+from training_engine.packing import IGNORE, PackedRows, pack, pieces
 from training_engine.param_groups import decay_groups
 from training_engine.step import Step
 from training_engine.task import Task, TaskDefaults
+from training_engine.text_files import find_files, json_rows, read_file
+from training_engine.token_file import token_file, write_tokens
 from training_engine.tokenizer import load_tokenizer
 
-# Data arguments that never change which samples a step sees: a resumed run may change
-# them (a data function lists them as its ``resume_may_change``).
-LOADER_KEYS = ("num_workers", "pin_memory", "val_batch_size")
-
 __all__ = [
+    "IGNORE",
     "LOADER_KEYS",
     "Callback",
     "ConfigError",
     "DataLoaders",
+    "PackedRows",
     "Step",
     "Task",
     "TaskDefaults",
@@ -42,8 +45,15 @@ __all__ = [
     "check_messages",
     "decay_groups",
     "encode_chat",
+    "find_files",
+    "json_rows",
     "load_tokenizer",
     "locked",
     "make_loaders",
+    "pack",
+    "pieces",
+    "read_file",
     "require",
+    "token_file",
+    "write_tokens",
 ]

@@ -14,7 +14,7 @@
   conversation left with no token to learn (loss_on=assistant, the answer cut off) is
   left out too. Each is counted in ``source.json`` and said in the log.
 - ``packing: documents`` (default): conversations packed into rows that attend and
-  count positions per conversation (packing.py); ``none``: one per row, padded.
+  count positions per conversation (training_engine.packing); ``none``: one per row, padded.
 - Split into train and validation by conversation (``val_fraction``, ``split_seed``);
   cached in ``cache_dir/<key>/`` (the files, the tokenizer, the template and every
   option that changes the rows), one process building while the others wait.
@@ -36,17 +36,20 @@ import numpy as np
 from ..contract import (
     ConfigError,
     DataLoaders,
+    PackedRows,
     chat_tokenizer,
     check_messages,
     encode_chat,
+    find_files,
+    json_rows,
     load_tokenizer,
     locked,
     make_loaders,
+    pack,
     require,
 )
 from ..contract import chat_template as find_chat_template
-from .packing import PackedRows, pack
-from .text import cache_key, find_files, json_rows
+from .text import cache_key
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ and C. Kaynak), the same file scikit-learn ships, so training needs no network.
 
 Your own data is a module like this one: a function returning
 ``contract.make_loaders(...)``, which applies the rules that make runs reproducible
-and resumable (docs/data.md). Data on disk: ``token_file.py`` (``data=token_file``),
-``hf.py`` (``data=hf``); a stream: ``token_file.TokenStream``.
+and resumable (docs/data.md). Data on disk: the engine's ``training_engine.token_file``
+(``data=token_file``), ``hf.py`` (``data=hf``); a stream: ``token_file.TokenStream``.
 """
 
 import gzip

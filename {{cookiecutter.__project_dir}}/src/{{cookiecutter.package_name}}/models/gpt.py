@@ -6,7 +6,7 @@ returns logits of shape (batch, seq_len, vocab_size); train.py's cross-entropy
 treats every position as one prediction (task.py). ``flops_per_token`` lets train.py
 report MFU (model FLOPs utilization) next to tokens/s.
 
-Packed documents (data/packing.py): ``position_ids`` that restart at 0 where a document
+Packed documents (training_engine.packing): ``position_ids`` that restart at 0 where a document
 begins, as transformers models take them; each token then attends to the tokens of
 its own document only (a block-diagonal causal mask, the documents found where the
 position ids do not go up by one, as transformers finds them). ``model.peft=lora``

@@ -1,7 +1,7 @@
 """Language modelling: a batch is ``(tokens, next tokens)``, both ``(batch, positions)``
 (shifted by the data already: a Hugging Face ``labels=`` loss would shift them again),
 or ``(tokens, next tokens, position ids)`` for packed documents (data=chat, data=text
-with ``packing: documents``; data/packing.py). The model returns logits ``(batch,
+with ``packing: documents``; training_engine.packing). The model returns logits ``(batch,
 positions, vocab)``.
 
 A target of -100 is not learned (a prompt's tokens, padding): the loss, the accuracy
@@ -19,7 +19,7 @@ import torch
 
 from .classification import Classification, aux_coefficient, auxiliary_loss, cross_entropy
 
-IGNORE = -100  # a target the loss ignores (data/packing.py writes it)
+IGNORE = -100  # a target the loss ignores (training_engine.packing writes it)
 
 
 class LanguageModel(Classification):

@@ -1,6 +1,6 @@
 """``data=token_file``: token ids in a flat binary file on disk (nanoGPT's ``train.bin``
 / ``val.bin``: uint16 or uint32, native byte order), read window by window, never whole.
-docs/data.md.
+The template's docs/data.md.
 
 A sample is ``seq_len + 1`` consecutive tokens: inputs the first ``seq_len``, targets
 the same shifted by one. ``windows=sequential``: the file cut into non-overlapping
@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from ..contract import LOADER_KEYS, DataLoaders, make_loaders, require
+from .config import require
+from .loaders import LOADER_KEYS, DataLoaders, make_loaders
 
 DTYPES = ("uint16", "uint32")
 WINDOWS = ("random", "sequential", "stream")
