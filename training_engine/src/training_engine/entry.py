@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .compose_once import composed_once
 from .run_options import with_runs_data_option
 
 EXIT_BAD_INPUT = 2
@@ -41,7 +42,8 @@ def run_entry_point(main: Callable[[], Any], config_dir: Path, config_name: str)
     previous = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises them to us instead of printing them
     try:
-        main()
+        with composed_once(sys.argv[1:]):  # not twice, as Hydra 1.3 does
+            main()
     except (ConfigCompositionException, OverrideParseException) as err:
         message = command_line_problems(err, config_dir, config_name, sys.argv[1:])
         print(f"error: {message}", file=sys.stderr)
