@@ -317,7 +317,10 @@ def verify_files(
     if extra:
         raise CheckpointError(f"{ckpt}: files not in the manifest: {', '.join(extra)}")
     wanted = list(files) if names is None else [n for n in names if n in files]
-    for name in wanted:  # every one a regular file of its size before any is opened
+    # every one a regular file of its size before any is opened, and so the top-level
+    # files the judge opens whichever are wanted (a truncated one named as truncated)
+    judged = [n for n in files if "/" not in n]
+    for name in dict.fromkeys([*wanted, *judged]):
         _size_checked(ckpt, name, files[name])
     judge.before_reading(ckpt, manifest, expected)  # headers and sizes: nothing large read
     parsed: dict[str, Any] = {}
