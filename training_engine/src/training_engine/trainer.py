@@ -284,6 +284,7 @@ class Trainer:
             return
         self.progress = Progress(self.total_steps, initial_step=self.step_count, clock=self.clock)
         self.data = None  # the latest batch (its size counts the summary's samples)
+        self.log_every = cfg.trainer.log_every_n_steps  # read every step: a plain int
         self.stop = False  # the ranks agreed that a stop signal came (agreement.at_step)
         # Hang detection: each phase of the loop (first step, step, eval, save) has a
         # budget; a rank past it writes its stacks to hangs/, names the ranks that made
@@ -360,13 +361,13 @@ class Trainer:
     def after_update(self) -> None:
         """After each optimizer step: the events, the logs, the ranks' agreement (a
         NaN/inf loss stops here, naming its step), evaluation, checkpoints, pruning."""
-        cfg, accelerator, book = self.cfg, self.accelerator, self.book
+        accelerator, book = self.accelerator, self.book
         step = self.step_count = self.state.advance(self.epoch, self._batch)
         moments.reached("first_step" if step == self.start_at.step + 1 else "step", step)
         self.run.step, self.run.epoch = step, self.epoch
         self.events.on_step_end(self.run)
 
-        if step % cfg.trainer.log_every_n_steps == 0:
+        if step % self.log_every == 0:
             rate = self.progress.window_rate(step)
             samples, tokens = self.task.batch_size(batch=self.data)
             norm = self.step.grad_norm  # the last clipping's (None: no clipping yet)

@@ -23,7 +23,7 @@ from safetensors.torch import save as save_safetensors
 
 from ..config import ConfigError
 from ..loaders import batches_per_epoch
-from ..schema import section
+from ..schema import values
 from ..state import Position, TrainState, rng_state, set_rng_state
 from . import base, elastic, folder, full_state, policy, resume, save, sharded, zero
 from . import format as fmt
@@ -54,7 +54,8 @@ class CheckpointManager:
         timeout_s: float = 1800.0,
         frozen: base.Base | None = None,
     ) -> None:
-        self.ck = section("checkpoint", checkpoint)  # every key (a test may give a few)
+        # every key (a test may give a few), as plain values: the rules read them every step
+        self.ck = values("checkpoint", checkpoint)
         self.config = config
         self.enabled = self.ck.enabled
         self.dir = Path(run_dir) / "checkpoints"

@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import typing
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -51,6 +52,7 @@ __all__ = [
     "reference",
     "register",
     "section",
+    "values",
 ]
 
 # The engine's groups, each composed on its schema (``<group>/schema``).
@@ -133,6 +135,18 @@ def section(key: str, values: Any) -> DictConfig:
         raise ConfigError(type_error(err, key)) from None
     OmegaConf.update(root, key, typed, merge=False)
     return OmegaConf.create(OmegaConf.to_container(OmegaConf.select(root, key), resolve=True))
+
+
+def values(key: str, node: Any) -> SimpleNamespace:
+    """``section(key, node)`` as plain attributes (nested groups too), for code that reads
+    them at every step: an OmegaConf attribute read costs ~10 us, this one ~50 ns."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, dict):
+            return SimpleNamespace(**{k: plain(v) for k, v in value.items()})
+        return value
+
+    return plain(OmegaConf.to_container(section(key, node), resolve=True))
 
 
 def _covers(cls: type, node: Any) -> bool:
