@@ -106,7 +106,9 @@ def child_bare(spec: dict) -> None:
     torch.manual_seed(cfg["seed"] + int(os.environ.get("RANK", 0)))
     loaders = _build(cfg["data"])
     model = _build(bare_model_node(cfg["model"])).to(device)
-    optimizer = _build(cfg["optimizer"])(model.parameters())
+    task = _build(cfg["task"])
+    # the task's groups, as train.py builds the optimizer (no decay on norms and biases)
+    optimizer = _build(cfg["optimizer"])(task.param_groups(model))
     scheduler = _build(cfg["scheduler"])(optimizer, total_steps=steps)
     if spec.get("ddp"):
         model = torch.nn.parallel.DistributedDataParallel(
@@ -116,7 +118,7 @@ def child_bare(spec: dict) -> None:
         model = torch.compile(model)
     bf16 = cfg["trainer"]["mixed_precision"] == "bf16"
     clip = cfg["trainer"]["grad_clip_norm"]
-    bare_step = bare_stepper(clip=clip, bf16=bf16, device=device, task=_build(cfg["task"]))
+    bare_step = bare_stepper(clip=clip, bf16=bf16, device=device, task=task)
     done = 0
     while done < steps:
         for batch in loaders.train:

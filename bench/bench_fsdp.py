@@ -65,7 +65,6 @@ def child_bare(spec: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    task = bench_project.module("task")
     precision_policies = bench_project.module("engine.fsdp").precision_policies
 
     cfg, steps = spec["config"], spec["steps"]
@@ -84,7 +83,9 @@ def child_bare(spec: dict) -> None:
     fully_shard(model, mesh=mesh, mp_policy=root_mp)
     if cfg["trainer"].get("compile"):
         model = torch.compile(model)
-    optimizer = _build(cfg["optimizer"])(model.parameters())
+    task = _build(cfg["task"])
+    # the task's groups, as train.py builds the optimizer (no decay on norms and biases)
+    optimizer = _build(cfg["optimizer"])(task.param_groups(model))
     scheduler = _build(cfg["scheduler"])(optimizer, total_steps=steps)
     clip = cfg["trainer"]["grad_clip_norm"]
     torch.manual_seed(cfg["seed"] + dist.get_rank())  # each rank its own batches
