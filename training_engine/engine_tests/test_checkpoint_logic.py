@@ -336,6 +336,17 @@ def test_a_stop_signal_is_acted_on_at_the_next_step_and_by_finish():
     assert agreement(signals=False, every=1).at_step(1) is False
 
 
+def test_the_log_windows_sums_ride_in_the_agreement_only_when_it_is_due():
+    """At a log step the window's sums go in the agreement's collective (one, not two);
+    between log steps nothing is carried, so WindowMeans reduces on its own."""
+    agreed, sums = agreement(every=5), torch.tensor([2.0, 4.0])
+    assert agreed.at_step(4, carry=sums) is False and agreed.carried is None
+    assert agreed.at_step(5, carry=sums) is False
+    assert torch.equal(agreed.carried, sums)
+    agreed.at_step(6)
+    assert agreed.carried is None
+
+
 @pytest.mark.parametrize("fold_at", [1024, 4, 1])
 @pytest.mark.parametrize(("accum", "bad_micro"), [(1, 6), (3, 6), (3, 14), (2, 19), (2, None)])
 def test_loss_guard_names_the_first_bad_step(accum, bad_micro, fold_at):

@@ -132,12 +132,20 @@ class WindowMeans:
         self._sums += stacked
         self._count += 1
 
-    def means(self) -> dict[str, float]:
-        """The window's means, ``train/<name>``, then a new window. A collective:
-        every rank calls it at the same log step."""
+    @property
+    def sums(self) -> torch.Tensor | None:
+        """This rank's sums of the open window (None: empty), for a collective to carry."""
+        return self._sums if self._count else None
+
+    def means(self, averaged: torch.Tensor | None = None) -> dict[str, float]:
+        """The window's means, ``train/<name>``, then a new window. ``averaged``: the
+        sums already averaged over the ranks (carried by the agreement's collective);
+        without it, a collective: every rank calls it at the same log step."""
         if self._sums is None or not self._count:
             return {}
-        total = self.accelerator.reduce(self._sums, "mean").tolist()
+        if averaged is None:
+            averaged = self.accelerator.reduce(self._sums, "mean")
+        total = averaged.tolist()
         means = {
             f"train/{name}": value / self._count
             for name, value in zip(self._names, total, strict=True)

@@ -45,7 +45,7 @@ from .loaders import batches_per_epoch, continue_epoch, run_length
 from .logs import setup_rank_logging
 from .media import Media
 from .metrics import MetricBook, WindowMeans
-from .nonfinite import LossGuard
+from .nonfinite import LossGuard, NonFiniteLoss
 from .optimizers import build_optimizers
 from .per_sample import exact_loaders
 from .preemption import StopSignals
@@ -361,35 +361,23 @@ class Trainer:
     def after_update(self) -> None:
         """After each optimizer step: the events, the logs, the ranks' agreement (a
         NaN/inf loss stops here, naming its step), evaluation, checkpoints, pruning."""
-        accelerator, book = self.accelerator, self.book
+        book = self.book
         step = self.step_count = self.state.advance(self.epoch, self._batch)
         moments.reached("first_step" if step == self.start_at.step + 1 else "step", step)
         self.run.step, self.run.epoch = step, self.epoch
         self.events.on_step_end(self.run)
 
+        # every rank: a NaN/inf loss stops here (naming its step); a stop signal agreed.
+        # At a log step the window's sums ride in the same collective (one, not two).
         if step % self.log_every == 0:
-            rate = self.progress.window_rate(step)
-            samples, tokens = self.task.batch_size(batch=self.data)
-            norm = self.step.grad_norm  # the last clipping's (None: no clipping yet)
-            metrics = {
-                **self.window.means(),  # train/loss, train/<log>: the window, every rank
-                "train/lr": self.scheduler.get_last_lr()[0],
-                "train/grad_norm": 0.0 if norm is None else float(norm),
-                "train/epoch": self.epoch + 1,
-                "perf/steps_per_sec": rate,
-                **self.throughput.metrics(
-                    rate,
-                    samples=samples * self.grad_accum,
-                    tokens=None if tokens is None else tokens * self.grad_accum,
-                ),
-                **self.clock.metrics(),  # perf/eval_s, perf/ckpt_blocking_s
-            }
-            book.update(metrics, step, require_monitor=book.monitor.startswith("train/"))
-            accelerator.log(metrics, step=step)
-            self.progress.report(step, metrics)
-
-        # every rank: a NaN/inf loss stops here (naming its step); a stop signal agreed
-        self.stop = self.agreement.at_step(step)
+            try:
+                self.stop = self.agreement.at_step(step, carry=self.window.sums)
+            except NonFiniteLoss:
+                self._log(step)  # the window that held it, logged before the stop
+                raise
+            self._log(step)
+        else:
+            self.stop = self.agreement.at_step(step)
 
         if step % self.plan.eval_every == 0 or step == self.total_steps:
             self.evaluate(step)
@@ -400,6 +388,28 @@ class Trainer:
         if saved is not None:
             self.events.on_save(self.run, saved)
         self.trial.report_and_check(step, book)  # Optuna pruning: raises TrialPruned
+
+    def _log(self, step: int) -> None:
+        """A log step's metrics: the window's means over the ranks, the rates, the clock."""
+        rate = self.progress.window_rate(step)
+        samples, tokens = self.task.batch_size(batch=self.data)
+        norm = self.step.grad_norm  # the last clipping's (None: no clipping yet)
+        metrics = {
+            **self.window.means(self.agreement.carried),  # train/loss, train/<log>: every rank
+            "train/lr": self.scheduler.get_last_lr()[0],
+            "train/grad_norm": 0.0 if norm is None else float(norm),
+            "train/epoch": self.epoch + 1,
+            "perf/steps_per_sec": rate,
+            **self.throughput.metrics(
+                rate,
+                samples=samples * self.grad_accum,
+                tokens=None if tokens is None else tokens * self.grad_accum,
+            ),
+            **self.clock.metrics(),  # perf/eval_s, perf/ckpt_blocking_s
+        }
+        self.book.update(metrics, step, require_monitor=self.book.monitor.startswith("train/"))
+        self.accelerator.log(metrics, step=step)
+        self.progress.report(step, metrics)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """The task's evaluation (and the weight average's), logged; the events."""
