@@ -143,7 +143,7 @@ class Trainer:
         # Where this launch continues from, chosen and verified once on every rank: the
         # checkpoint (none: a fresh start), the accumulation that keeps its global batch
         # on this number of processes, the trackers' run ids (docs/checkpoints.md)
-        self.config = OmegaConf.to_container(cfg, resolve=True)  # config.json
+        self.config = resolved  # config.json: nothing above changes cfg
         self.resume = plan_resume(
             cfg.checkpoint,
             config=self.config,
