@@ -5,6 +5,7 @@ refused before any work. Real train.py processes."""
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -68,7 +69,12 @@ def test_launch_stamp_is_unique_per_launch_and_the_same_within_one():
         env=ENV,
         check=True,
     ).stdout.strip()
-    assert other != launch_stamp() and other[:10] == launch_stamp()[:10]  # same day, own id
+    # its own id, and a start no earlier than this process's: not "the same day", which a
+    # test session running across midnight broke (this worker 23:48, the child 00:09)
+    mine = launch_stamp()
+    assert other != mine and other[-6:] != mine[-6:]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d-[0-9a-f]{6}", other), other
+    assert other[:19] >= mine[:19]  # zero-padded: in time order as strings
 
 
 def test_three_launches_in_the_same_second_get_three_run_dirs(tmp_path):
