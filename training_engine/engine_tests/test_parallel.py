@@ -438,3 +438,27 @@ def test_lean_ddp_step_skip_in_lockstep_and_a_signal_to_one_rank_stops_at_a_log_
     # Signalled at step >= the last logged one: stopped within 5 steps of it, or 10
     # when the signal landed just after a log step's agreement.
     assert max(logged) < manifest["step"] <= max(logged) + 10, (logged, manifest["step"])
+
+
+def test_a_nan_on_one_rank_stops_both_at_the_log_step_with_its_window_logged(tmp_path):
+    """on_nan=stop under DDP: the log window's sums ride in the agreement's collective.
+    A NaN loss on rank 1 only (steps 3 and 4) is agreed on at the log step (5): both
+    ranks exit 3 naming step 3, and that window's mean is logged before the stop (NaN:
+    one rank's sum is)."""
+    run_dir = tmp_path / "nan"
+    proc = run(
+        tmp_path,
+        "parallel=ddp",
+        "preflight=off",
+        "tracker=csv",
+        "trainer.log_every_n_steps=5",
+        "trainer.max_steps=20",
+        "model._target_=engine_tests.faults.NanOnRank1",
+        f"hydra.run.dir={run_dir}",
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 3, out[-5000:]
+    assert "not finite (NaN/inf) at step 3" in out and "Traceback" not in out
+    losses = train_losses(run_dir)
+    assert sorted(losses) == [5], losses
+    assert losses[5] != losses[5]  # NaN: rank 1's window held it
