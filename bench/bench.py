@@ -190,6 +190,7 @@ def _in_turns(args, overrides: list[str], work: Path, *, ddp: bool) -> dict:
         for side in sides if round_ % 2 == 0 else reversed(sides):
             turns = {"folder": str(folder), "side": side, "every": every}
             spec: dict = {"steps": steps, "out": str(folder / f"{side}.json"), "turns": turns}
+            spec["cpu_from_step"] = max(1, untimed * every)  # the timed blocks' CPU (DDP: reported)
             if side.startswith("bare"):
                 spec |= {"config": config, "ddp": ddp, "pin_threads": side == "bare"}
             else:
@@ -212,6 +213,10 @@ def _in_turns(args, overrides: list[str], work: Path, *, ddp: bool) -> dict:
             if taken != steps:
                 raise SystemExit(f"bench: {side} took {taken} optimizer steps, not {steps}")
             rounds[side].append(every * len(seconds[side]) / sum(seconds[side]))
+            # One thread per process under torchrun; in one process the intra-op threads
+            # spin at their barriers, and their CPU time measures the spinning.
+            for name, ms in _cpu_per_step(folder, side, ranks=2).items() if ddp else ():
+                rounds.setdefault(f"{side}_{name}", []).append(ms)
         rounds["ratio"].append(rounds["ours"][-1] / rounds["bare"][-1])
         line = f"ours {rounds['ours'][-1]:7.2f}, bare {rounds['bare'][-1]:7.2f}"
         if not ddp:
@@ -224,6 +229,24 @@ def _in_turns(args, overrides: list[str], work: Path, *, ddp: bool) -> dict:
         )
         shutil.rmtree(folder, ignore_errors=True)
     return {name: statistics.median(values) for name, values in rounds.items() if values}
+
+
+def _cpu_per_step(folder: Path, side: str, *, ranks: int) -> dict[str, float]:
+    """A side's CPU milliseconds per optimizer step and rank (bench_children's step clock):
+    ``cpu_main`` its loop's thread, ``cpu_other`` its other threads. Where a loop's
+    steps/s goes when both cores are busy (2 ranks on 2 cores): a millisecond of CPU
+    on any thread of either rank is one the other rank's step waits for."""
+    main = other = 0.0
+    for rank in range(ranks):
+        name = f"{side}.json" + (f".rank{rank}" if ranks > 1 else "")
+        result = json.loads((folder / name).read_text())
+        cpu = result.get("cpu")
+        if not cpu:
+            return {}
+        per = 1000 / max(cpu["steps"], 1) / ranks
+        main += cpu["main_s"] * per
+        other += (cpu["process_s"] - cpu["main_s"]) * per
+    return {"cpu_main": main, "cpu_other": other}
 
 
 def compile_sources() -> None:
@@ -267,6 +290,19 @@ def bench_loop(args, overrides: list[str], work: Path, results: dict, *, ddp: bo
     results[f"{prefix}loop_ratio"] = medians["ratio"]
     results[f"{prefix}ours_steps_per_sec"] = medians["ours"]
     results[f"{prefix}bare_steps_per_sec"] = medians["bare"]
+    if "ours_cpu_main" in medians and "bare_cpu_main" in medians:
+        cpu = {
+            f"{side}_{thread}": medians[f"{side}_cpu_{thread}"]
+            for side in ("ours", "bare")
+            for thread in ("main", "other")
+        }
+        results[f"{prefix}cpu_ms_per_step"] = cpu
+        print(
+            f"  CPU per step and rank (median): ours {cpu['ours_main']:.2f} ms in the loop's "
+            f"thread + {cpu['ours_other']:.2f} ms in others, bare {cpu['bare_main']:.2f} + "
+            f"{cpu['bare_other']:.2f} ms; the loop's thread, ours / bare: "
+            f"{cpu['ours_main'] / cpu['bare_main']:.3f}"
+        )
     if "pin_cost" in medians:  # 1 - steps/s of the bare loop pinned / unpinned
         results["thread_pin_cost"] = medians["pin_cost"]
         print(f"  the thread pin costs the bare loop {medians['pin_cost']:.1%} of its steps/s")

@@ -19,11 +19,14 @@ STARTED = time.time()  # this process's first line of Python (after the interpre
 import bench_project  # noqa: E402 (after the clock: what a start costs is timed from above)
 
 
-def install_step_clock(out_path: str, turns: dict | None = None) -> None:
+def install_step_clock(out_path: str, turns: dict | None = None, cpu_from: int = 1) -> None:
     """Record when every optimizer step ends (wall clock for the first, a
     monotonic clock for all) and write them to ``out_path`` (``.rankN`` under
     a launcher) at exit. With ``turns`` (bench_turns.py: folder, side, every),
-    take turns with the other side every ``every`` steps."""
+    take turns with the other side every ``every`` steps. Also the CPU time from
+    step ``cpu_from``'s end to the last's: the main thread's (``time.thread_time``:
+    the loop) and the whole process's (the rest: the collectives' threads, a
+    watchdog, a tracker's writer); a side waiting for its turn uses none."""
     import atexit
 
     import torch
@@ -32,12 +35,15 @@ def install_step_clock(out_path: str, turns: dict | None = None) -> None:
 
     first: list[float] = []
     times: list[float] = []
+    cpu: list[float] = []  # main thread, process: at step cpu_from's end, then the last's
     turn = Turn(**turns) if turns else None
 
     def hook(optimizer, args, kwargs) -> None:
         # accelerate's optimizer wrapper steps the real one: count the real one only.
         if type(optimizer).__module__.startswith("torch.optim"):
             times.append(time.perf_counter())
+            if len(times) >= cpu_from:
+                cpu[len(cpu) and 2 :] = [time.thread_time(), time.process_time()]
             if not first:
                 first.append(time.time())
             if turn is not None:
@@ -51,7 +57,20 @@ def install_step_clock(out_path: str, turns: dict | None = None) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         Path(out_path).write_text(
-            json.dumps({"first_step_at": first[:1], "times": times, "started": STARTED})
+            json.dumps(
+                {
+                    "first_step_at": first[:1],
+                    "times": times,
+                    "started": STARTED,
+                    "cpu": {
+                        "main_s": cpu[2] - cpu[0],
+                        "process_s": cpu[3] - cpu[1],
+                        "steps": len(times) - cpu_from,
+                    }
+                    if len(cpu) == 4
+                    else None,
+                }
+            )
         )
 
     atexit.register(write)
@@ -61,7 +80,7 @@ def child_train(spec: dict) -> None:
     """``python train.py OVERRIDES``, with the step clock installed."""
     import runpy
 
-    install_step_clock(spec["out"], spec.get("turns"))
+    install_step_clock(spec["out"], spec.get("turns"), spec.get("cpu_from_step", 1))
     root = bench_project.root()
     sys.argv = [str(root / "train.py"), *spec["overrides"]]
     sys.path.insert(0, str(root))
@@ -90,7 +109,7 @@ def child_bare(spec: dict) -> None:
     precision in a hand-written loop, with nothing else. Under ``torchrun``
     (``spec["ddp"]``): the same in DDP (gloo on CPU, NCCL on GPU), each rank
     its own batches of the per-process batch size."""
-    install_step_clock(spec["out"], spec.get("turns"))
+    install_step_clock(spec["out"], spec.get("turns"), spec.get("cpu_from_step", 1))
     import torch
 
     if spec.get("pin_threads", True):

@@ -54,6 +54,9 @@ def test_bench_quick_mode_reports_every_figure(project, tmp_path):
     assert report["details"]["ours_step_ms"] > 0 and report["details"]["bare_step_ms"] > 0
     assert report["details"]["log_calls"] > 0  # log_overhead's side really logged
     assert "thread_pin_cost" in report["details"]  # the third side of the loop's turns
+    cpu = report["details"]["ddp_cpu_ms_per_step"]  # each DDP side's CPU, where it goes
+    assert set(cpu) == {"ours_main", "ours_other", "bare_main", "bare_other"}
+    assert cpu["ours_main"] > 0 and cpu["bare_main"] > 0 and min(cpu.values()) >= 0
     assert all(math.isfinite(v) for v in figures.values())
     assert all(figures[k] > 0 for k in figures if k != "log_overhead")  # ratios of timings
     assert report["settings"]["quick"] is True and "csv" in report["settings"]["trackers"]
