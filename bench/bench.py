@@ -190,7 +190,7 @@ def _in_turns(args, overrides: list[str], work: Path, *, ddp: bool) -> dict:
         for side in sides if round_ % 2 == 0 else reversed(sides):
             turns = {"folder": str(folder), "side": side, "every": every}
             spec: dict = {"steps": steps, "out": str(folder / f"{side}.json"), "turns": turns}
-            spec["cpu_from_step"] = max(1, untimed * every)  # the timed blocks' CPU (DDP: reported)
+            spec["cpu_steps"] = (untimed * every, steps)  # the timed blocks' CPU (DDP: reported)
             if side.startswith("bare"):
                 spec |= {"config": config, "ddp": ddp, "pin_threads": side == "bare"}
             else:

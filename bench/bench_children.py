@@ -19,14 +19,17 @@ STARTED = time.time()  # this process's first line of Python (after the interpre
 import bench_project  # noqa: E402 (after the clock: what a start costs is timed from above)
 
 
-def install_step_clock(out_path: str, turns: dict | None = None, cpu_from: int = 1) -> None:
+def install_step_clock(
+    out_path: str, turns: dict | None = None, cpu_steps: tuple[int, int] | None = None
+) -> None:
     """Record when every optimizer step ends (wall clock for the first, a
     monotonic clock for all) and write them to ``out_path`` (``.rankN`` under
     a launcher) at exit. With ``turns`` (bench_turns.py: folder, side, every),
-    take turns with the other side every ``every`` steps. Also the CPU time from
-    step ``cpu_from``'s end to the last's: the main thread's (``time.thread_time``:
-    the loop) and the whole process's (the rest: the collectives' threads, a
-    watchdog, a tracker's writer); a side waiting for its turn uses none."""
+    take turns with the other side every ``every`` steps. With ``cpu_steps`` (from,
+    to), also the CPU time between those steps' ends: the main thread's
+    (``time.thread_time``: the loop) and the whole process's (the rest: the
+    collectives' threads, a watchdog, a tracker's writer); a side waiting for its
+    turn uses none. Read at those two steps only: no clock read in the steps between."""
     import atexit
 
     import torch
@@ -35,15 +38,15 @@ def install_step_clock(out_path: str, turns: dict | None = None, cpu_from: int =
 
     first: list[float] = []
     times: list[float] = []
-    cpu: list[float] = []  # main thread, process: at step cpu_from's end, then the last's
+    cpu: list[float] = []  # main thread, process: at cpu_steps' two ends
     turn = Turn(**turns) if turns else None
 
     def hook(optimizer, args, kwargs) -> None:
         # accelerate's optimizer wrapper steps the real one: count the real one only.
         if type(optimizer).__module__.startswith("torch.optim"):
             times.append(time.perf_counter())
-            if len(times) >= cpu_from:
-                cpu[len(cpu) and 2 :] = [time.thread_time(), time.process_time()]
+            if cpu_steps is not None and len(times) in cpu_steps:
+                cpu.extend([time.thread_time(), time.process_time()])
             if not first:
                 first.append(time.time())
             if turn is not None:
@@ -65,9 +68,9 @@ def install_step_clock(out_path: str, turns: dict | None = None, cpu_from: int =
                     "cpu": {
                         "main_s": cpu[2] - cpu[0],
                         "process_s": cpu[3] - cpu[1],
-                        "steps": len(times) - cpu_from,
+                        "steps": cpu_steps[1] - cpu_steps[0],
                     }
-                    if len(cpu) == 4
+                    if cpu_steps is not None and len(cpu) == 4
                     else None,
                 }
             )
@@ -80,7 +83,7 @@ def child_train(spec: dict) -> None:
     """``python train.py OVERRIDES``, with the step clock installed."""
     import runpy
 
-    install_step_clock(spec["out"], spec.get("turns"), spec.get("cpu_from_step", 1))
+    install_step_clock(spec["out"], spec.get("turns"), spec.get("cpu_steps"))
     root = bench_project.root()
     sys.argv = [str(root / "train.py"), *spec["overrides"]]
     sys.path.insert(0, str(root))
@@ -109,7 +112,7 @@ def child_bare(spec: dict) -> None:
     precision in a hand-written loop, with nothing else. Under ``torchrun``
     (``spec["ddp"]``): the same in DDP (gloo on CPU, NCCL on GPU), each rank
     its own batches of the per-process batch size."""
-    install_step_clock(spec["out"], spec.get("turns"), spec.get("cpu_from_step", 1))
+    install_step_clock(spec["out"], spec.get("turns"), spec.get("cpu_steps"))
     import torch
 
     if spec.get("pin_threads", True):
