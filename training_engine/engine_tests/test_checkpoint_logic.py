@@ -22,7 +22,7 @@ from training_engine.config import (
     allowed_config_changes,
     config_differences,
 )
-from training_engine.metrics import MetricBook
+from training_engine.metrics import MetricBook, WindowMeans
 from training_engine.nonfinite import LossGuard, NonFiniteLoss
 from training_engine.preemption import StopSignals, TrainingInterrupted
 from training_engine.state import TrainState, rng_state
@@ -345,6 +345,34 @@ def test_the_log_windows_sums_ride_in_the_agreement_only_when_it_is_due():
     assert torch.equal(agreed.carried, sums)
     agreed.at_step(6)
     assert agreed.carried is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64])
+def test_the_log_window_sums_each_value_cast_to_float32_in_order(dtype):
+    """WindowMeans adds each micro-batch's loss and logs (tensors of any shape of one
+    value, Python numbers) in place: its sums are, bit for bit, those of casting each
+    value to float32 and adding them in order, so a resumed window (its sums from the
+    checkpoint) logs what an uninterrupted one does; its means are over the count."""
+    accelerator = Accelerator(cpu=True)
+    window, generator = WindowMeans(accelerator), torch.Generator().manual_seed(0)
+    expected = torch.zeros(4)
+    for i in range(500):
+        loss = (torch.rand((), generator=generator) * 10).to(dtype)
+        logs = {"acc": torch.rand((1,), generator=generator).to(dtype), "n": 7, "f": 0.1 * i}
+        window.add(loss, logs)
+        row = [loss, logs["acc"].reshape(()), torch.tensor(7.0), torch.tensor(0.1 * i)]
+        expected += torch.stack([v.float() for v in row])
+    assert torch.equal(window.sums, expected)
+    state = window.state_dict()
+    resumed = WindowMeans(accelerator)
+    resumed.load_state_dict(state)
+    for w in (window, resumed):
+        w.add(torch.tensor(1.0), {"acc": 1.0, "n": 1, "f": 1.0})
+    assert torch.equal(window.sums, resumed.sums)
+    means = window.means()
+    assert means["train/n"] == (500 * 7 + 1) / 501 and window.sums is None
+    with pytest.raises(ValueError, match="the task's logs changed"):
+        window.add(torch.tensor(1.0), {"acc": 1.0})
 
 
 @pytest.mark.parametrize("fold_at", [1024, 4, 1])

@@ -38,10 +38,16 @@ def cache_lomo_check() -> None:
 
 def is_plain_accelerated_optimizer(optimizer: Any) -> bool:
     """accelerate's own wrapper (not a subclass such as DeepSpeed's), whose
-    ``zero_grad`` does nothing but call its ``.optimizer``'s."""
+    ``zero_grad`` does nothing but call its ``.optimizer``'s. Asked twice per step:
+    the class is looked up once, not imported at each call."""
+    return type(optimizer) is _accelerated_optimizer_class()
+
+
+@functools.cache
+def _accelerated_optimizer_class() -> type:
     from accelerate.optimizer import AcceleratedOptimizer
 
-    return type(optimizer) is AcceleratedOptimizer
+    return AcceleratedOptimizer
 
 
 def checkpoint_wrapper(module: torch.nn.Module) -> torch.nn.Module:
