@@ -434,3 +434,26 @@ def test_streamed_safetensors_read_back_by_safetensors_bit_for_bit(tmp_path):
     assert all(torch.equal(theirs[k], back[k]) for k in state)
     with pytest.raises(fmt.CheckpointError, match="complex64"):
         protocol.write_safetensors(tmp_path / "x", {"c": torch.zeros(2, dtype=torch.complex64)}, {})
+
+
+def test_checkpoint_differences_name_the_step_and_file_whose_content_differs(tmp_path):
+    from training_engine.testing import checkpoint_differences
+
+    def run(root: Path, weight: float, seconds: float) -> Path:
+        for step in ("step_0000010", "step_0000020"):
+            ckpt = root / "checkpoints" / step
+            ckpt.mkdir(parents=True)
+            w = torch.full((3,), weight if step == "step_0000020" else 1.0)
+            (ckpt / "model.safetensors").write_bytes(save({"w": w}))
+            (ckpt / "optimizer.pt").write_bytes(torch_file({"state": {0: {"m": w * 0}}}))
+            state = {"step": int(step[5:]), "timers": {"train_s": seconds}, "perf/x": seconds}
+            (ckpt / "trainer_state.json").write_text(json.dumps(state))
+            (ckpt / "MANIFEST.json").write_text(json.dumps({"created": str(seconds)}))
+        return root
+
+    a, b = run(tmp_path / "a", 2.0, 1.0), run(tmp_path / "b", 2.0, 9.0)  # times only
+    assert checkpoint_differences(a, b) == "step_0000010: the same; step_0000020: the same"
+    c = run(tmp_path / "c", 2.0 + 2**-20, 1.0)  # one weight, one bit apart
+    assert checkpoint_differences(a, c) == (
+        "step_0000010: the same; step_0000020: differs in model.safetensors"
+    )

@@ -9,7 +9,7 @@ import os
 import signal
 from pathlib import Path
 
-from training_engine.testing import fingerprints
+from training_engine.testing import checkpoint_differences, fingerprints
 
 from .conftest import FAST, run_train
 
@@ -58,10 +58,13 @@ def test_a_run_killed_mid_run_resumes_bit_for_bit(tmp_path):
     assert killed.proc.returncode == -signal.SIGKILL, killed.output[-3000:]
     assert marker.read_text() == "20" and not (killed.run_dir / "summary.json").exists()
     resumed = run_train(tmp_path / "killed", *RESUMABLE, *kill)  # the same command, again
-    assert resumed.summary["step"] == 40 and "20" in str(resumed.summary["resumed_from"])
+    assert resumed.summary["step"] == 40
+    assert Path(resumed.summary["resumed_from"]) == killed.run_dir / "checkpoints" / "step_0000020"
     assert fingerprints(resumed.run_dir)["train.log"] == fingerprints(whole.run_dir)["train.log"], (
         f"resumed from {resumed.summary['resumed_from']}; "
         + first_logged_difference(resumed.run_dir, whole.run_dir)
+        + "; checkpoints: "
+        + checkpoint_differences(resumed.run_dir, whole.run_dir)
     )
 
     # and the metrics of the last evaluation, to the bit (not the timings)

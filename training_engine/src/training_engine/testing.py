@@ -72,6 +72,59 @@ def fingerprints(run_dir: Path) -> dict[str, str]:
     return found
 
 
+def checkpoint_differences(run_dir: Path, other: Path) -> str:
+    """What differs between two runs' checkpoints of the same steps (the ones both
+    still keep), by step and file: the model's and optimizer's tensors, the RNG
+    states, the scheduler, the position and the config (times and rates aside). A
+    resumed run that differs from an uninterrupted one differs from the checkpoint it
+    resumed from on (a resume defect), or already in it (the runs parted before the
+    interruption)."""
+    import torch
+    from safetensors.torch import load_file
+
+    def load(path: Path):
+        if path.suffix == ".safetensors":
+            return load_file(path)
+        if path.suffix == ".pt":
+            return torch.load(path, map_location="cpu", weights_only=True)
+        return untimed(json.loads(path.read_text()))
+
+    def untimed(tree):  # what differs between any two runs: times, rates, the run's name
+        if isinstance(tree, dict):
+            return {
+                k: untimed(v)
+                for k, v in tree.items()
+                if not (k.startswith("perf/") or k.endswith("_s") or k == "run_name")
+            }
+        return [untimed(v) for v in tree] if isinstance(tree, list) else tree
+
+    def same(a, b) -> bool:
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            return (
+                isinstance(a, torch.Tensor)
+                and isinstance(b, torch.Tensor)
+                and (a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b))
+            )
+        if isinstance(a, dict) and isinstance(b, dict):
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+        return a == b
+
+    lines = []
+    steps = {p.name for p in (run_dir / "checkpoints").glob("step_*")}
+    for name in sorted(steps & {p.name for p in (other / "checkpoints").glob("step_*")}):
+        ours, theirs = run_dir / "checkpoints" / name, other / "checkpoints" / name
+        files = sorted(  # MANIFEST.json: the files' checksums and the time of writing
+            f.name
+            for f in ours.iterdir()
+            if f.suffix in (".safetensors", ".pt", ".json") and f.name != "MANIFEST.json"
+        )
+        differ = [f for f in files if not same(load(ours / f), load(theirs / f))]
+        lines.append(f"{name}: {'differs in ' + ', '.join(differ) if differ else 'the same'}")
+    return "; ".join(lines) or "no checkpoint of the same step in both"
+
+
 def missing_tracker_packages(*names: str) -> list[str]:
     """The packages of these trackers that are not installed here."""
     return [m for name in names for m in REQUIRES.get(name, ()) if find_spec(m) is None]
