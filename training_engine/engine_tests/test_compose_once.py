@@ -3,7 +3,9 @@ without that: the same config and the same ``.hydra/`` files; a config whose
 ``hydra.mode`` is MULTIRUN still sweeps, a sweep without ``-m`` is still refused. In
 this process, through ``run_entry_point`` as train.py calls it, on a small config."""
 
+import gc
 import sys
+import weakref
 from pathlib import Path
 
 import hydra
@@ -22,8 +24,9 @@ CONFIG = {
 }
 
 
-def run(monkeypatch, config_dir: Path, out: Path, *argv: str) -> tuple[list[dict], int]:
-    """The configs the task got, and how many times Hydra composed one."""
+def run(monkeypatch, config_dir: Path, out: Path, *argv: str, task=None) -> tuple[list[dict], int]:
+    """The configs the task got (or what ``task(cfg)`` returned), and how many times
+    Hydra composed one."""
     seen, composed = [], []
     load = ConfigLoaderImpl._load_configuration_impl
 
@@ -35,7 +38,7 @@ def run(monkeypatch, config_dir: Path, out: Path, *argv: str) -> tuple[list[dict
 
     @hydra.main(version_base="1.3", config_path=str(config_dir), config_name="cfg")
     def main(cfg):
-        seen.append(OmegaConf.to_container(cfg, resolve=True))
+        seen.append(task(cfg) if task else OmegaConf.to_container(cfg, resolve=True))
 
     monkeypatch.setattr(sys, "argv", ["train.py", *argv, f"hydra.run.dir={out}"])
     GlobalHydra.instance().clear()
@@ -43,7 +46,31 @@ def run(monkeypatch, config_dir: Path, out: Path, *argv: str) -> tuple[list[dict
         run_entry_point(main, config_dir, "cfg")
     finally:
         GlobalHydra.instance().clear()
+        gc.unfreeze()  # run_entry_point froze this pytest process's objects
     return seen, len(composed)
+
+
+def test_the_imports_are_frozen_and_nothing_the_run_builds_is(monkeypatch, config_dir, tmp_path):
+    """entry.freeze_what_is_imported: what is alive at the start (torch, Hydra, the
+    engine) is out of the collector's reach; a run's own cyclic garbage is collected."""
+
+    def task(cfg):
+        class Node:
+            pass
+
+        node = Node()
+        node.cycle = node  # only the cycle collector frees it
+        dead = weakref.ref(node)
+        del node
+        gc.collect()
+        return {"frozen": gc.get_freeze_count(), "collected": dead() is None}
+
+    gc.unfreeze()
+    alive = len(gc.get_objects())
+    [seen], _ = run(monkeypatch, config_dir, tmp_path / "run", task=task)
+    assert seen["frozen"] > 0.9 * alive > 9_000  # this process's torch, Hydra, pytest
+    assert seen["collected"]
+    assert gc.get_freeze_count() == 0  # run() thawed them
 
 
 @pytest.fixture

@@ -267,3 +267,70 @@ def test_the_rank_that_found_a_hang_is_the_cause_even_after_its_kill_of_rank_0()
     assert rank == 1
     message = _failure_message(rank, failure)
     assert message.startswith("rank 1 failed first (hang, exit code 5): hang: rank(s) 0 made no")
+
+
+def test_a_rank_that_lost_its_peer_in_the_same_second_is_not_the_cause():
+    """Rank 1 raised; rank 0's collective then failed for the closed connection,
+    stamped the same whole second as rank 1's error (elastic's timestamps) or, across
+    a second's boundary, the one before: rank 1 is named, not rank 0."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from training_engine.launch import _failure_message, _first_failure
+
+    lost = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file="/nonexistent")
+    cause = ProcessFailure(local_rank=1, pid=2, exitcode=1, error_file="/nonexistent")
+    lost.message = {
+        "message": "PreflightFailed: a training step failed: RuntimeError: [gloo/transport/"
+        "tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:24227"
+    }
+    cause.message = {"message": "RuntimeError: injected failure on rank 1"}
+    lost.timestamp = cause.timestamp = 100
+    err = ChildFailedError("train", {0: lost, 1: cause})
+    rank, failure = _first_failure(err)
+    assert (rank, failure) == (1, cause)
+    assert _failure_message(rank, failure).startswith(
+        "rank 1 failed first (exit code 1): RuntimeError: injected failure on rank 1"
+    )  # the exit code said once (no traceback in this error file)
+    lost.timestamp = 99  # its file written first, in the second before
+    assert _first_failure(err)[0] == 1
+    cause.message = {"message": "RuntimeError: Connection reset by peer"}
+    assert _first_failure(err)[0] == 0  # both lost a peer: the earliest
+
+
+def test_the_cause_is_named_from_its_error_file_when_the_agent_saw_only_its_peer(
+    tmp_path, monkeypatch
+):
+    """The agent listed only rank 0 (its collective failed when rank 1 closed the
+    group; rank 1, still exiting, was not seen): rank 1's recorded error names it."""
+    from torch.distributed.elastic.multiprocessing.errors import (
+        ChildFailedError,
+        ErrorHandler,
+        ProcessFailure,
+    )
+
+    from training_engine.launch import _first_failure
+
+    def recorded(local_rank: int, message: str, attempt: str = "attempt_0") -> str:
+        error_file = tmp_path / attempt / str(local_rank) / "error.json"
+        error_file.parent.mkdir(parents=True)
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+        try:
+            raise RuntimeError(message)
+        except RuntimeError as err:
+            ErrorHandler().record_exception(err)  # what record() writes in a worker
+        return str(error_file)
+
+    lost = recorded(0, "[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    recorded(1, "injected failure on rank 1")
+    (tmp_path / "attempt_0" / "2").mkdir()  # a rank that recorded nothing
+    seen = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=lost)
+    rank, failure = _first_failure(ChildFailedError("train", {0: seen}))
+    assert rank == 1
+    assert "injected failure on rank 1" in failure.message["message"]
+    # a listed cause (rank 1 stopped by SIGTERM, 143) is named: the file that rank 0
+    # wrote on its own stop, not yet seen, is not read as a failure (exit 1)
+    recorded(0, "TrainingInterrupted: SIGTERM received", attempt="attempt_1")
+    signalled = recorded(1, "TrainingInterrupted: SIGTERM received", attempt="attempt_1")
+    stopped = ProcessFailure(local_rank=1, pid=2, exitcode=143, error_file=signalled)
+    rank, failure = _first_failure(ChildFailedError("train", {1: stopped}))
+    assert (rank, failure.exitcode) == (1, 143)

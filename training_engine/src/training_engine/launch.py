@@ -24,6 +24,7 @@ A failing rank makes the whole run fail with that rank's traceback; workers
 die with their launcher, even when it is killed with SIGKILL.
 """
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -41,7 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import recovery
 from .config import ConfigError
-from .entry import skip_the_final_collection
+from .entry import freeze_what_is_imported, skip_the_final_collection
 from .trust import literal
 
 log = logging.getLogger(__name__)
@@ -297,19 +298,62 @@ def _spawn(fn: Callable[[DictConfig, Path], Any], cfg: DictConfig, run_dir: Path
 STACK_LINES = 12  # of the first failing rank's traceback, in the console and train.log
 
 
+# A collective's error on the rank whose peer went away first: a consequence.
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "remote process exited")
+
+
 def _first_failure(err: Any) -> tuple[int, Any]:
     """The rank whose failure is the cause: one that found a hang (its message names
     the ranks that stopped; the stopped one it then SIGKILLed, rank 0 included, is its
-    consequence), else the earliest (elastic's timestamps are whole seconds) and,
-    among ties, one killed by a signal, before the ranks that then failed waiting for
-    it."""
+    consequence), else one that did not fail for a lost peer (``LOST_PEER``: rank 0's
+    collective after rank 1's exception, stamped the same second or, across a second's
+    boundary, the one before: elastic's timestamps are whole seconds), the earliest
+    and, among ties, one killed by a signal, before the ranks that then failed
+    waiting for it."""
     from .watchdog import EXIT_HANG
 
     def order(item: tuple[int, Any]) -> tuple:
         rank, failure = item
-        return (failure.exitcode != EXIT_HANG, failure.timestamp, failure.exitcode >= 0, rank)
+        hang, signal = failure.exitcode == EXIT_HANG, failure.exitcode < 0
+        return (not hang, _lost_a_peer(failure), failure.timestamp, not signal, rank)
 
-    return min(err.failures.items(), key=order)
+    return min(_recorded_failures(err).items(), key=order)
+
+
+def _recorded_failures(err: Any) -> dict[int, Any]:
+    """``err.failures`` and, when each of them is a lost peer, the error each other
+    rank of this node recorded in its file (record() writes every exception, known
+    stops too). The agent lists only the ranks that had exited when it looked; a rank
+    that raised, recorded it and is still closing its process group may not have,
+    while the peer that its closing made fail at once has (the cause unlisted: seen in
+    a test, about 1 run in 2)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    failures = dict(err.failures)
+    if not all(_lost_a_peer(failure) for failure in failures.values()):
+        return failures  # a cause is listed
+    for rank, failure in err.failures.items():
+        attempt = Path(failure.error_file).parent.parent  # <attempt>/<local rank>/error.json
+        if not Path(failure.error_file).is_file():
+            continue
+        for folder in attempt.iterdir():
+            error_file = folder / "error.json"
+            if not (folder.name.isdigit() and error_file.is_file()):
+                continue
+            other = rank - failure.local_rank + int(folder.name)
+            if other in failures:
+                continue
+            with contextlib.suppress(Exception):  # unreadable: not a failure to name
+                failures[other] = ProcessFailure(
+                    local_rank=int(folder.name), pid=0, exitcode=1, error_file=str(error_file)
+                )
+    return failures
+
+
+def _lost_a_peer(failure: Any) -> bool:
+    details = failure.message  # a dict from record()'s error file, else a string
+    text = str(details.get("message", "")) if isinstance(details, dict) else str(details)
+    return any(sign in text for sign in LOST_PEER)
 
 
 def _failure_message(rank: int, failure: Any) -> str:
@@ -326,7 +370,8 @@ def _failure_message(rank: int, failure: Any) -> str:
             head = f"rank {rank} failed first ({cause}): {error or last[-1]}"
             return f"{head}\nTraceback (its last {len(last)} lines):\n" + "\n".join(last)
         details = error
-    return f"rank {rank} failed first ({cause}, exit code {code}): {details}"
+    status = cause if cause == f"exit code {code}" else f"{cause}, exit code {code}"
+    return f"rank {rank} failed first ({status}): {details}"
 
 
 def _worker(
@@ -337,6 +382,7 @@ def _worker(
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
     _die_with_parent()
+    freeze_what_is_imported()  # its imports, done while unpickling fn
     skip_the_final_collection()
     os.environ["TRAIN_ATTEMPT"] = str(number)  # watchdog.attempt()
     cfg = OmegaConf.create(literal(container))  # resolved already: a ``${`` left is text
