@@ -249,14 +249,15 @@ def test_default_run_reaches_95_percent(train_run):
 
 def test_the_tasks_default_step_is_accelerates_step_bit_for_bit():
     """The task's default training_step through the engine's Step passes by accelerate's
-    accumulate context (one micro-batch per step), its clip_grad_norm_ (plain setups)
-    and its wrapper's zero_grad: the same weights and norms, bit for bit, as
-    accelerate's own calls."""
+    accumulate context (one micro-batch per step), its backward's division by 1, its
+    clip_grad_norm_ (plain setups) and its wrapper's zero_grad: the same weights and
+    norms, bit for bit, as accelerate's own calls."""
     import copy
 
     from accelerate import Accelerator
     from digit_trainer.tasks.classification import Classification
 
+    from training_engine import step as step_module
     from training_engine.agreement import StepAgreement
     from training_engine.nonfinite import LossGuard
     from training_engine.preemption import StopSignals
@@ -282,6 +283,7 @@ def test_the_tasks_default_step_is_accelerates_step_bit_for_bit():
         models={"model": ours},
         optimizer=ours_opt,
     )
+    assert step_module.plain_backward(accelerator)  # the bypass is what is compared
     for step in range(4):
         batch = [torch.randn(32, 8) * (10 if step == 1 else 1), torch.randint(0, 3, (32,))]
         loss, _ = task.training_step(step=verbs, batch=batch)

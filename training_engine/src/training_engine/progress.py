@@ -75,8 +75,12 @@ class Progress:
         self.bar.set_postfix(shown, refresh=False)
         if self.log_lines:
             fields = " | ".join([*(f"{k} {v}" for k, v in shown.items()), *rates])
-            with logging_redirect_tqdm():  # print above the bar, not through it
-                log.info(f"step {step}/{self.total} | {fields} | eta {eta}")
+            line = f"step {step}/{self.total} | {fields} | eta {eta}"
+            if self.bar.disable:  # no bar to print around (no terminal): ~0.25 ms less
+                log.info(line)
+            else:
+                with logging_redirect_tqdm():  # print above the bar, not through it
+                    log.info(line)
 
     def close(self) -> None:
         self.bar.close()

@@ -50,6 +50,7 @@ class Step:
         self.optimizers = by_name(optimizer)  # by name: optimizer, and cfg.optimizers' names
         self.grad_norm: torch.Tensor | None = None  # the last clipping's total norm (logged)
         self._verdict: bool | None = None  # the ranks' agreement for this optimizer step
+        self._plain_backward: bool | None = None  # asked at the first backward
 
     @property
     def model(self) -> torch.nn.Module:
@@ -81,7 +82,12 @@ class Step:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward (accelerate's: scaling, DeepSpeed's engine) and the NaN guard's look
         at the loss (on the device: no host sync)."""
-        self.accelerator.backward(loss)
+        if self._plain_backward is None:
+            self._plain_backward = plain_backward(self.accelerator)
+        if self._plain_backward:
+            loss.backward()  # what accelerate's ends in, less its division by 1
+        else:
+            self.accelerator.backward(loss)
         self.agreement.guard.observe(loss)
 
     def clip_gradients(
@@ -172,6 +178,19 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
+
+
+def plain_backward(accelerator: Any) -> bool:
+    """Whether accelerate's ``backward`` is ``loss.backward()`` after ``loss / 1``: one
+    micro-batch per step, no grad scaler, not DeepSpeed's or Megatron's engine. That
+    division is an op and an autograd node every step (x / 1 and its gradient are
+    exact: the same bits either way)."""
+    return (
+        accelerator.gradient_accumulation_steps == 1
+        and getattr(accelerator, "scaler", None) is None
+        and accelerator.distributed_type
+        not in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
+    )
 
 
 def optimizer_step(accelerator: Any, optimizer: Any) -> None:

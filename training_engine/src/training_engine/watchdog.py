@@ -34,6 +34,7 @@ import contextlib
 import faulthandler
 import json
 import logging
+import mmap
 import os
 import socket
 import threading
@@ -140,7 +141,7 @@ class Watchdog:
         self._start_step = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._progress: int | None = None  # step_rank<r>: the last step done, 8 bytes
+        self._progress: mmap.mmap | None = None  # step_rank<r>: the last step done, 8 bytes
 
     # --- the loop's verbs ----------------------------------------------------------
 
@@ -156,10 +157,17 @@ class Watchdog:
             (self.folder / stale).unlink(missing_ok=True)  # an earlier launch's
         self._beat()
         # the last step this rank completed, rewritten in place at every step (8 bytes, no
-        # fsync: a killed process's writes stay in the page cache): what a recovery redid
+        # fsync: a killed process's writes stay in the page cache): what a recovery redid.
+        # Mapped, not written: a pwrite per step (a syscall and the file's mtime) cost
+        # ~30 us of a 2-process CPU step, a store into the page ~1 us.
         path = self.folder / f"{STEP_FILE}{self.rank}"
-        with contextlib.suppress(OSError):
-            self._progress = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        with contextlib.suppress(OSError, ValueError):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.ftruncate(fd, 8)
+                self._progress = mmap.mmap(fd, 8)
+            finally:
+                os.close(fd)
         self._record(step)
         self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
         self._thread.start()
@@ -183,8 +191,7 @@ class Watchdog:
 
     def _record(self, step: int) -> None:
         if self._progress is not None:
-            with contextlib.suppress(OSError):
-                os.pwrite(self._progress, step.to_bytes(8, "little"), 0)
+            self._progress[:8] = step.to_bytes(8, "little")
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -214,7 +221,7 @@ class Watchdog:
         self._thread.join()
         self._thread = None
         if self._progress is not None:
-            os.close(self._progress)
+            self._progress.close()
             self._progress = None
         (self.folder / f"beat_rank{self.rank}.json").unlink(missing_ok=True)
         (self.folder / f"{STEP_FILE}{self.rank}").unlink(missing_ok=True)

@@ -213,34 +213,41 @@ class CheckpointManager:
     # --- save ------------------------------------------------------------------------
 
     def maybe_save(self, *, metrics: dict, stop: bool) -> Path | None:
-        """At every optimizer-step boundary (the state's position): save when a rule
-        says so (every N steps, at the end of every N epochs, on a new best value of
-        ``save_best.monitor`` logged at this step (the book decides), after a stop
-        signal: ``stop``, from ``StepAgreement.at_step``). ``metrics``: the latest
-        value of every metric, for the manifest."""
-        step, epoch, batch = (
-            self.state.position.step,
-            self.state.position.epoch,
-            self.state.position.batch,
-        )
+        """At every optimizer-step boundary: ``due``, then ``save_due`` when it is."""
+        reasons = self.due(metrics=metrics, stop=stop)
+        return self.save_due(reasons) if reasons else None
+
+    def due(self, *, metrics: dict, stop: bool) -> list[str]:
+        """At every optimizer-step boundary (the state's position): why a save is due
+        (empty: none), by the rules (every N steps, at the end of every N epochs, on a
+        new best value of ``save_best.monitor`` logged at this step (the book decides),
+        after a stop signal: ``stop``, from ``StepAgreement.at_step``). ``metrics``:
+        the latest value of every metric, for the manifest. Cheap, and no collective:
+        the loop times and watches only an actual save (``save_due``)."""
         self._metrics = dict(metrics)
         if not self.enabled:
-            return None
+            return []
         if self._in_flight is not None and not self._in_flight.thread.is_alive():
             self.wait()  # done: a failure surfaces now rather than at the next save
-        self._pending_best = policy.new_best(self.ck, step, self.book) if self.book else None
+        position = self.state.position
+        self._pending_best = (
+            policy.new_best(self.ck, position.step, self.book) if self.book else None
+        )
         reasons = policy.save_reasons(
             self.ck,
-            step=step,
-            epoch=epoch,
-            batch=batch,
+            step=position.step,
+            epoch=position.epoch,
+            batch=position.batch,
             batches_per_epoch=self.batches_per_epoch,
             is_new_best=self._pending_best is not None,
             stop=stop,
         )
-        if not reasons or self._last_saved_step == step:
-            return None
-        return self.save(step, epoch, batch, reasons)
+        return [] if self._last_saved_step == position.step else reasons
+
+    def save_due(self, reasons: list[str]) -> Path:
+        """The save ``due`` asked for, at the state's position (a collective)."""
+        position = self.state.position
+        return self.save(position.step, position.epoch, position.batch, reasons)
 
     def finish(self, *, metrics: dict, stop: bool) -> Path | None:
         """After the loop: the final save (``save_last``; after a stop signal,
