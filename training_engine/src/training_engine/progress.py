@@ -58,6 +58,8 @@ class Progress:
         """Show ``metrics`` on the bar, and as a log line (file and non-TTY console).
         The rates shown are the ``perf/*`` of the log step (one window); the ETA
         uses the attempt's wall time so far (evaluations and saves included)."""
+        if self.bar.disable and not self.log_lines:  # another rank: nothing to show
+            return
         done = step - self._start_step
         wall = time.perf_counter() - self._wall_start
         left = (self.total - step) * wall / done if done > 0 else None
