@@ -164,7 +164,9 @@ class Watchdog:
         with contextlib.suppress(OSError, ValueError):
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                os.ftruncate(fd, 8)
+                # written, not truncated to size: the block is allocated now, so a store
+                # into the page can never meet a full disk (a sparse page would SIGBUS)
+                os.write(fd, step.to_bytes(8, "little"))
                 self._progress = mmap.mmap(fd, 8)
             finally:
                 os.close(fd)
